@@ -1,0 +1,288 @@
+"""The decoder: one Flax NNX transformer for the Llama 3.x / Qwen2 / Qwen3 family.
+
+Read top to bottom: RoPE, RMSNorm, attention (grouped-query, optional q/k/v bias and q/k norm),
+SwiGLU MLP, the block, the model. Two forward modes share every layer:
+
+- **full sequence** (training, scoring): `model(tokens, positions, segment_ids=...)`; attention is
+  causal within each segment, so packed sequences never see each other;
+- **cached** (rollout): `model(tokens, positions, cache=cache, num_new=...)` writes the new keys and
+  values at each row's current length and attends over everything cached so far. One call with T > 1
+  tokens is a prefill (possibly a chunk of one), T == 1 is a decode step. Rows may be ragged:
+  `num_new[b] <= T` tokens of row b are real; the rest are padding whose cache entries are
+  overwritten by the next call.
+
+Every parameter carries logical axis names in its `axes` metadata (`embed`, `vocab`, `mlp`,
+`q_heads`, `kv_heads`, `head_dim`, `norm`); `sharding.py` maps them to mesh axes. Parameter layouts
+are ours ([in, out], heads split out); `hf_io.py` converts to and from the HF layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tiderl_jax.model.config import ModelConfig
+
+
+def _dtype(name: str):
+    return jnp.dtype(name)
+
+
+# ------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] in float32, with Llama 3 scaling when configured.
+
+    Llama 3 scaling (Meta's `apply_scaling`): wavelengths longer than `original_ctx / low_freq_factor`
+    are divided by `factor`, shorter than `original_ctx / high_freq_factor` are kept, and the band in
+    between is interpolated linearly in `original_ctx / wavelength`.
+    """
+    exponents = np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32) / cfg.head_dim
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    old_ctx = float(s.original_max_position_embeddings)
+    low_wavelen = old_ctx / s.low_freq_factor
+    high_wavelen = old_ctx / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates x [batch, seq, heads, head_dim] by positions [batch, seq] (half-split layout, as HF)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, head_dim/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ layers
+
+
+def _param(rngs: nnx.Rngs, shape, axes, std, dtype) -> nnx.Param:
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale, normalised in float32 (as HF Llama/Qwen)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, axis_name: str = "norm"):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=(axis_name,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Dense KV cache for cached decoding.
+
+    k, v: one array per layer, each [batch, kv_heads, max_len, head_dim] (the layout that decodes
+    fastest here, see JAX_NOTES.md); lengths: [batch] int32, tokens already written per row.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+        dtype = dtype or _dtype(cfg.dtype)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """Writes new [b, kv, t, d] into cache [b, kv, s, d] at per-row offsets starts [b]."""
+
+    def one(c, n, s):
+        return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, s, 0))
+
+    return jax.vmap(one)(cache, new, starts)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention, the plain reference.
+
+    q [b, t, heads, d]; k, v [b, kv_heads, s, d]; mask [b, t, s] (True = may attend).
+    Returns [b, t, heads, d]. Scores and softmax in float32.
+    """
+    b, t, h, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pd, std = _dtype(cfg.param_dtype), cfg.init_std
+        self.q_proj = _param(rngs, (e, h, d), ("embed", "q_heads", "head_dim"), std, pd)
+        self.k_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), std, pd)
+        self.v_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), std, pd)
+        self.o_proj = _param(rngs, (h, d, e), ("q_heads", "head_dim", "embed"), std, pd)
+        if cfg.attention_bias:
+            self.q_bias = nnx.Param(jnp.zeros((h, d), pd), axes=("q_heads", "head_dim"))
+            self.k_bias = nnx.Param(jnp.zeros((kv, d), pd), axes=("kv_heads", "head_dim"))
+            self.v_bias = nnx.Param(jnp.zeros((kv, d), pd), axes=("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pd, "head_dim")
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd, "head_dim")
+        self.cfg = cfg
+
+    def __call__(self, x, positions, inv_freq, mask, cache_kv=None, starts=None):
+        """x [b, t, embed] -> ([b, t, embed], (k, v) written into the cache or None)."""
+        cfg, dt = self.cfg, x.dtype
+        q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("bte,ehd->bthd", x, self.v_proj[...].astype(dt))
+        if cfg.attention_bias:
+            q = q + self.q_bias[...].astype(dt)
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [b, kv, t, d]
+        new_kv = None
+        if cache_kv is not None:
+            k = _write_rows(cache_kv[0], k, starts)
+            v = _write_rows(cache_kv[1], v, starts)
+            new_kv = (k, v)
+            k, v = k.astype(dt), v.astype(dt)
+        out = attend(q, k, v, mask)
+        return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, m, pd, std = cfg.hidden_size, cfg.intermediate_size, _dtype(cfg.param_dtype), cfg.init_std
+        self.gate_proj = _param(rngs, (e, m), ("embed", "mlp"), std, pd)
+        self.up_proj = _param(rngs, (e, m), ("embed", "mlp"), std, pd)
+        self.down_proj = _param(rngs, (m, e), ("mlp", "embed"), std, pd)
+
+    def __call__(self, x):
+        dt = x.dtype
+        gate = x @ self.gate_proj[...].astype(dt)
+        up = x @ self.up_proj[...].astype(dt)
+        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = _dtype(cfg.param_dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.attn = Attention(cfg, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, inv_freq, mask, cache_kv=None, starts=None):
+        h, new_kv = self.attn(self.input_norm(x), positions, inv_freq, mask, cache_kv, starts)
+        x = x + h
+        return x + self.mlp(self.post_attn_norm(x)), new_kv
+
+
+class Decoder(nnx.Module):
+    """The causal LM: embed -> blocks -> final norm -> logits (float32)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = _dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                            cfg.init_std, pd)
+        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                                  cfg.init_std, pd)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [b, t] int32
+        positions: jax.Array,  # [b, t] int32 RoPE positions
+        *,
+        segment_ids: jax.Array | None = None,  # [b, t]; full mode only; equal ids attend
+        cache: KVCache | None = None,
+        num_new: jax.Array | None = None,  # [b] real tokens per row (cached mode); default t
+        return_hidden: bool = False,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Returns (logits [b, t, vocab] float32 (or final hidden [b, t, embed]), updated cache)."""
+        cfg = self.cfg
+        dt = _dtype(cfg.dtype)
+        b, t = tokens.shape
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a compile-time constant, not state
+        if cache is None:
+            idx = jnp.arange(t)
+            mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (b, t, t))
+            if segment_ids is not None:
+                mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            starts = None
+        else:
+            if segment_ids is not None:
+                raise ValueError("segment_ids apply to the full-sequence mode, not the cached mode")
+            starts = cache.lengths
+            q_abs = starts[:, None] + jnp.arange(t)[None, :]  # [b, t] cache index of each query
+            mask = jnp.arange(cache.max_len)[None, None, :] <= q_abs[:, :, None]
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            cache_kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, kv = layer(x, positions, inv_freq, mask, cache_kv, starts)
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        x = self.final_norm(x)
+        new_cache = None
+        if cache is not None:
+            added = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
+            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + added)
+        if return_hidden:
+            return x, new_cache
+        return self.logits(x), new_cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden [b, t, embed] -> logits [b, t, vocab] in float32."""
+        dt = hidden.dtype
+        if self.cfg.tie_word_embeddings:
+            w = self.embed[...].astype(dt)
+            out = jnp.einsum("bte,ve->btv", hidden, w, preferred_element_type=jnp.float32)
+        else:
+            out = jnp.einsum("bte,ev->btv", hidden, self.lm_head[...].astype(dt),
+                             preferred_element_type=jnp.float32)
+        return out.astype(jnp.float32)
+
+
+def init_decoder(cfg: ModelConfig, seed: int = 0) -> Decoder:
+    """A randomly initialised decoder on the default device (see `sharding.init_sharded` for meshes)."""
+    return Decoder(cfg, rngs=nnx.Rngs(seed))

@@ -1,0 +1,165 @@
+"""Logical-axis sharding: parameter axis names -> mesh axes (`data`, `fsdp`, `tensor`).
+
+Every parameter of the decoder names its axes (`embed`, `vocab`, `mlp`, `q_heads`, `kv_heads`,
+`head_dim`, `norm`); activations and caches use `batch`, `seq`, `cache_seq`. A rule table from the
+config maps each logical name to zero, one or several mesh axes. `spec_for` turns one array's names
+into a `PartitionSpec`, dropping a mesh axis where it would not divide the dimension evenly (a tiny
+model's 2 KV heads on a 4-way tensor axis are replicated rather than refused) or where an earlier
+dimension of the same array already uses it.
+
+Meshes are built with Auto axis types: the model is classic GSPMD code (jit with in/out shardings),
+and `jax.make_mesh` defaults to Explicit axes, which would demand explicit output shardings on
+every sharded contraction (JAX_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from tiderl_jax.model.config import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# FSDP shards the embedding dimension of every weight; tensor parallelism splits heads, the MLP's
+# hidden dimension and the vocabulary (Megatron style). Batch goes over data and fsdp.
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("cache_seq", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+)
+
+Rules = Sequence[tuple[str, str | Sequence[str] | None]]
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh over `devices` (default: all) with axes (data, fsdp, tensor).
+
+    One axis may be -1: it takes whatever the others leave. The product must equal the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ConfigError(f"mesh: unknown axis name(s) {unknown}; axes are {MESH_AXES}")
+    sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ConfigError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if fixed <= 0 or len(devices) % fixed:
+            raise ConfigError(
+                f"mesh: {dict(zip(MESH_AXES, sizes))} cannot fill {len(devices)} devices")
+        sizes[sizes.index(-1)] = len(devices) // fixed
+    if any(s <= 0 for s in sizes) or math.prod(sizes) != len(devices):
+        raise ConfigError(
+            f"mesh: shape {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+            f"{len(devices)} given; set one axis to -1 to fill")
+    grid = np.asarray(devices, dtype=object).reshape(sizes)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def rules_from_config(rules: Iterable) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Normalises a rule table (lists from a config) to ((logical, (mesh axes...)), ...)."""
+    out = []
+    for entry in rules:
+        if len(entry) != 2:
+            raise ConfigError(f"sharding rule {entry!r} must be a (logical_name, mesh_axes) pair")
+        name, axes = entry
+        if axes is None:
+            axes = ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        axes = tuple(axes)
+        bad = [a for a in axes if a not in MESH_AXES]
+        if bad:
+            raise ConfigError(f"sharding rule for {name!r} names unknown mesh axes {bad}")
+        out.append((name, axes))
+    return tuple(out)
+
+
+def spec_for(shape: Sequence[int], names: Sequence[str | None] | None, rules: Rules,
+             mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec of one array of `shape` whose axes are called `names`.
+
+    Each logical name takes the mesh axes of its rule, in order, while they divide the dimension
+    and have not been used by an earlier dimension; unnamed or unknown names are replicated.
+    """
+    if names is None:
+        return PartitionSpec()
+    if len(names) != len(shape):
+        raise ValueError(f"axis names {tuple(names)} do not match shape {tuple(shape)}")
+    table = dict(rules_from_config(rules))
+    used: set[str] = set()
+    spec = []
+    for dim, name in zip(shape, names):
+        chosen = []
+        size = 1
+        for axis in table.get(name, ()) if name else ():
+            n = mesh.shape[axis]
+            if axis in used or n == 1 or dim % (size * n):
+                continue
+            chosen.append(axis)
+            size *= n
+        used.update(chosen)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return PartitionSpec(*spec)
+
+
+def _axes_of(variable: nnx.Variable):
+    return variable.get_metadata().get("axes")
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
+    """A pytree like `state` (abstract or concrete) of NamedShardings, from each leaf's axis names."""
+
+    def one(v):
+        value = v.get_value() if _is_variable(v) else v
+        names = _axes_of(v) if _is_variable(v) else None
+        return NamedSharding(mesh, spec_for(value.shape, names, rules, mesh))
+
+    return jax.tree.map(one, state, is_leaf=_is_variable)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules) -> nnx.Module:
+    """Moves every parameter of `model` onto its NamedSharding on `mesh` (in place; returns model)."""
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+    return model
+
+
+def init_sharded(module_fn, mesh: Mesh, rules: Rules) -> nnx.Module:
+    """Builds `module_fn()` with every parameter created directly in its sharding (no host copy).
+
+    The initialiser runs under jit with out_shardings, so each device computes only its own shard.
+    """
+    abstract = nnx.eval_shape(module_fn)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = state_shardings(abstract_state, mesh, rules)
+
+    def build():
+        return nnx.split(module_fn())[1]
+
+    state = jax.jit(build, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def data_sharding(mesh: Mesh, rules: Rules, shape: Sequence[int],
+                  names: Sequence[str | None] = ("batch", "seq")) -> NamedSharding:
+    """Sharding of an activation-like input (tokens, positions) of `shape` named `names`."""
+    return NamedSharding(mesh, spec_for(shape, names, rules, mesh))
