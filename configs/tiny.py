@@ -27,5 +27,6 @@ def get_config():
         dtype="float32",
         param_dtype="float32",
     )
+    c.cpu_devices = 8
     c.mesh.update(data=1, fsdp=-1, tensor=2)
     return c

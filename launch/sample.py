@@ -12,9 +12,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import app, logging
 from flax import nnx
-from ml_collections import config_flags
 
 from tiderl_jax import config as config_lib
 from tiderl_jax.model import chat
@@ -25,7 +24,7 @@ from tiderl_jax.model.hf_io import load_hf_checkpoint
 from tiderl_jax.model.sharding import data_sharding, init_sharded, make_mesh
 from tiderl_jax.model.tokenizer import Tokenizer
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Path to an ml_collections config.")
+_CONFIG = config_lib.define_config_flag("configs/tiny.py")
 
 
 def build(cfg):
@@ -34,12 +33,11 @@ def build(cfg):
     mesh = make_mesh(cfg.mesh)
     tokenizer = (Tokenizer.from_file(cfg.tokenizer.path, eos_token=cfg.tokenizer.eos_token)
                  if cfg.tokenizer.path else Tokenizer.builtin())
-    if cfg.checkpoint:
-        model_cfg = config_lib.model_config(cfg)
+    model_cfg = config_lib.model_config(cfg)
+    if cfg.checkpoint:  # the architecture comes from the checkpoint; config.model gives the dtypes
         model = load_hf_checkpoint(cfg.checkpoint, mesh=mesh, rules=rules, dtype=model_cfg.dtype,
                                    param_dtype=model_cfg.param_dtype)
     else:
-        model_cfg = config_lib.model_config(cfg)
         model = init_sharded(lambda: Decoder(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh, rules)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
@@ -50,6 +48,7 @@ def build(cfg):
 def main(argv):
     del argv
     cfg = _CONFIG.value
+    config_lib.apply_platform_settings(cfg)
     try:
         mesh, rules, tokenizer, model = build(cfg)
     except ConfigError as e:

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from ml_collections import ConfigDict
 
-from tiderl_jax.model.config import ModelConfig
+from tiderl_jax.model.config import ConfigError, ModelConfig
 from tiderl_jax.model.sharding import DEFAULT_RULES, rules_from_config
 
 
 def base_config() -> ConfigDict:
     c = ConfigDict()
     c.seed = 0
+    # CPU only: how many devices to fake on the host platform (0: leave JAX's default). Applied
+    # before JAX starts; ignored on GPU/TPU. XLA_FLAGS=--xla_force_host_platform_device_count wins.
+    c.cpu_devices = 0
     # HF checkpoint directory (config.json + safetensors); empty: random initialisation from `model`.
     c.checkpoint = ""
     c.model = ConfigDict(vars(ModelConfig()) | {"rope_scaling": None})
@@ -41,3 +44,66 @@ def model_config(c: ConfigDict) -> ModelConfig:
 
 def sharding_rules(c: ConfigDict):
     return rules_from_config(c.sharding_rules)
+
+
+def check_overrides(argv: list[str], default_path: str, flag: str = "config") -> None:
+    """Refuses `--config.a.b=v` overrides whose key does not exist, naming the key and the choices.
+
+    ml_collections also refuses them, but with a bare `AttributeError: 'b'`; this runs first, before
+    flag parsing, so the user sees which key and what the valid keys at that level are.
+    """
+    import importlib.util
+
+    path = default_path
+    keys = []
+    for arg in argv[1:]:
+        if arg.startswith(f"--{flag}="):
+            path = arg.split("=", 1)[1]
+        elif arg.startswith(f"--{flag}."):
+            keys.append(arg[len(flag) + 3:].split("=", 1)[0])
+    if not keys:
+        return
+    spec = importlib.util.spec_from_file_location("_config_under_check", path.split(":", 1)[0])
+    if spec is None or spec.loader is None:
+        return  # the flag machinery reports a bad path itself
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    for key in keys:
+        node, walked = config, []
+        for part in key.split("."):
+            if not isinstance(node, ConfigDict) or part not in node:
+                where = ".".join([flag] + walked)
+                known = sorted(node.keys()) if isinstance(node, ConfigDict) else []
+                raise ConfigError(f"--{flag}.{key}: {where} has no key {part!r}; known keys: {known}")
+            node = node[part]
+            walked.append(part)
+
+
+def define_config_flag(default_path: str, flag: str = "config"):
+    """`config_flags.DEFINE_config_file` for a launch script, with overrides checked first.
+
+    The flag machinery applies `--config.*` overrides while the flag is defined (at import), so the
+    check runs here; a bad key ends the program with exit status 2 and one clear line.
+    """
+    import sys
+
+    from ml_collections import config_flags
+
+    try:
+        check_overrides(sys.argv, default_path, flag)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return config_flags.DEFINE_config_file(flag, default_path, "Path to an ml_collections config file.",
+                                           lock_config=True)
+
+
+def apply_platform_settings(c: ConfigDict) -> None:
+    """Settings that must reach JAX before its first use (call at the top of `main`)."""
+    import os
+
+    import jax
+
+    if c.cpu_devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", int(c.cpu_devices))

@@ -33,6 +33,19 @@ def _dtype(name: str):
     return jnp.dtype(name)
 
 
+def einsum_f32(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum with float32 accumulation and output, whatever the operand dtype.
+
+    Accelerators multiply bf16 operands into a float32 result natively; XLA's CPU backend has no
+    such kernel (bf16 x bf16 -> f32 fails at run time), so on CPU the operands are upcast first.
+    """
+    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        return jnp.einsum(subscripts, a, b)
+    if jax.default_backend() == "cpu":
+        return jnp.einsum(subscripts, a.astype(jnp.float32), b.astype(jnp.float32))
+    return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
+
+
 # ------------------------------------------------------------------------------------------- RoPE
 
 
@@ -133,11 +146,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     b, t, h, d = q.shape
     kvh = k.shape[1]
     qg = q.reshape(b, t, kvh, h // kvh, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = einsum_f32("btkgd,bksd->bkgts", qg, k)
     scores = scores * (d ** -0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    out = einsum_f32("bkgts,bksd->btkgd", probs, v)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
@@ -158,7 +171,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd, "head_dim")
         self.cfg = cfg
 
-    def __call__(self, x, positions, inv_freq, mask, cache_kv=None, starts=None):
+    def __call__(self, x, positions, inv_freq, mask, cache_kv=None, starts=None, constrain=None):
         """x [b, t, embed] -> ([b, t, embed], (k, v) written into the cache or None)."""
         cfg, dt = self.cfg, x.dtype
         q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...].astype(dt))
@@ -172,11 +185,16 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+        if constrain is not None:
+            q = constrain(q, ("batch", "seq", "q_heads", "head_dim"))
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [b, kv, t, d]
         new_kv = None
         if cache_kv is not None:
             k = _write_rows(cache_kv[0], k, starts)
             v = _write_rows(cache_kv[1], v, starts)
+            if constrain is not None:
+                k = constrain(k, ("batch", "kv_heads", "cache_seq", "head_dim"))
+                v = constrain(v, ("batch", "kv_heads", "cache_seq", "head_dim"))
             new_kv = (k, v)
             k, v = k.astype(dt), v.astype(dt)
         out = attend(q, k, v, mask)
@@ -207,10 +225,14 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, inv_freq, mask, cache_kv=None, starts=None):
-        h, new_kv = self.attn(self.input_norm(x), positions, inv_freq, mask, cache_kv, starts)
+    def __call__(self, x, positions, inv_freq, mask, cache_kv=None, starts=None, constrain=None):
+        h, new_kv = self.attn(self.input_norm(x), positions, inv_freq, mask, cache_kv, starts,
+                              constrain)
         x = x + h
-        return x + self.mlp(self.post_attn_norm(x)), new_kv
+        x = x + self.mlp(self.post_attn_norm(x))
+        if constrain is not None:
+            x = constrain(x, ("batch", "seq", None))
+        return x, new_kv
 
 
 class Decoder(nnx.Module):
@@ -222,6 +244,9 @@ class Decoder(nnx.Module):
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                             cfg.init_std, pd)
         self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        # Set when the model is placed on a mesh (sharding.py): a static (mesh, rules) callable
+        # that pins activations to their logical layout; None on a single device.
+        self.activation_sharding = None
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
@@ -241,7 +266,10 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         dt = _dtype(cfg.dtype)
         b, t = tokens.shape
+        constrain = self.activation_sharding
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        if constrain is not None:
+            x = constrain(x, ("batch", "seq", None))
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a compile-time constant, not state
         if cache is None:
             idx = jnp.arange(t)
@@ -258,7 +286,7 @@ class Decoder(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer(x, positions, inv_freq, mask, cache_kv, starts)
+            x, kv = layer(x, positions, inv_freq, mask, cache_kv, starts, constrain)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -269,18 +297,18 @@ class Decoder(nnx.Module):
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + added)
         if return_hidden:
             return x, new_cache
-        return self.logits(x), new_cache
+        logits = self.logits(x)
+        if constrain is not None:
+            logits = constrain(logits, ("batch", "seq", "vocab"))
+        return logits, new_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden [b, t, embed] -> logits [b, t, vocab] in float32."""
         dt = hidden.dtype
         if self.cfg.tie_word_embeddings:
             w = self.embed[...].astype(dt)
-            out = jnp.einsum("bte,ve->btv", hidden, w, preferred_element_type=jnp.float32)
-        else:
-            out = jnp.einsum("bte,ev->btv", hidden, self.lm_head[...].astype(dt),
-                             preferred_element_type=jnp.float32)
-        return out.astype(jnp.float32)
+            return einsum_f32("bte,ve->btv", hidden, w)
+        return einsum_f32("bte,ev->btv", hidden, self.lm_head[...].astype(dt))
 
 
 def init_decoder(cfg: ModelConfig, seed: int = 0) -> Decoder:

@@ -50,8 +50,7 @@ def _prefill(graphdef, state, tokens, lengths, rng, *, max_len, temperature):
     return cache, token, logp
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature"))
 def _decode(graphdef, state, cache, first, rng, stop_ids, pad_id, *, steps, temperature):
     model = nnx.merge(graphdef, state)
 

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from tiderl_jax.model.config import ConfigError, ModelConfig
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, state_shardings
+from tiderl_jax.model.sharding import ActivationSharding, DEFAULT_RULES, Rules, state_shardings
 
 
 class CheckpointError(ConfigError):
@@ -214,7 +214,7 @@ def load_hf_checkpoint(
 
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
-    flat = dict(abstract_state.flat_state())
+    flat = dict(nnx.to_flat_state(abstract_state))
     if set(flat) != set(layouts):  # our model and our own table disagree: a bug, not bad input
         raise AssertionError(f"hf_layouts out of sync with Decoder: {set(flat) ^ set(layouts)}")
 
@@ -243,7 +243,7 @@ def load_hf_checkpoint(
                               + "; ".join(problems))
 
     if mesh is not None:
-        shardings = dict(state_shardings(abstract_state, mesh, rules).flat_state())
+        shardings = dict(nnx.to_flat_state(state_shardings(abstract_state, mesh, rules)))
     else:
         device = SingleDeviceSharding(jax.local_devices()[0])
         shardings = {k: device for k in flat}
@@ -256,7 +256,10 @@ def load_hf_checkpoint(
         array = jax.make_array_from_callback(
             shape, shardings[key], lambda idx, view=view: np.asarray(view[idx]).astype(target))
         var.set_value(array)
-    return nnx.merge(graphdef, abstract_state)
+    model = nnx.merge(graphdef, abstract_state)
+    if mesh is not None:
+        model.activation_sharding = ActivationSharding(mesh, rules)
+    return model
 
 
 # ------------------------------------------------------------------------------------- export
@@ -284,7 +287,7 @@ def save_hf_checkpoint(model: Decoder, path: str | os.PathLike, *,
         out_cfg = dataclasses.replace(cfg, param_dtype=dtype) if dtype else cfg
         (path / "config.json").write_text(json.dumps(out_cfg.to_hf(), indent=2) + "\n")
     layouts = hf_layouts(cfg)
-    flat = dict(nnx.state(model).flat_state())
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
     out_dtype = np.dtype(jnp.dtype(dtype)) if dtype else None
 
     # Plan shards from shapes alone, then fill them one at a time.

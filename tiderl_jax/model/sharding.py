@@ -117,6 +117,29 @@ def spec_for(shape: Sequence[int], names: Sequence[str | None] | None, rules: Ru
     return PartitionSpec(*spec)
 
 
+class ActivationSharding:
+    """Pins activations to their logical layout inside a jitted forward (`with_sharding_constraint`).
+
+    A model placed on a mesh by `shard_model` / `init_sharded` / `load_hf_checkpoint` carries one, so
+    GSPMD keeps the batch split over (data, fsdp) and the vocabulary over tensor instead of choosing
+    a layout per call. Static: hashed by identity of the mesh and the rules.
+    """
+
+    def __init__(self, mesh: Mesh, rules: Rules):
+        self.mesh = mesh
+        self.rules = rules_from_config(rules)
+
+    def __call__(self, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+        spec = spec_for(x.shape, names, self.rules, self.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def __eq__(self, other):
+        return isinstance(other, ActivationSharding) and (self.mesh, self.rules) == (other.mesh, other.rules)
+
+    def __hash__(self):
+        return hash((self.mesh, self.rules))
+
+
 def _axes_of(variable: nnx.Variable):
     return variable.get_metadata().get("axes")
 
@@ -140,6 +163,7 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules) -> nnx.Module:
     """Moves every parameter of `model` onto its NamedSharding on `mesh` (in place; returns model)."""
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+    model.activation_sharding = ActivationSharding(mesh, rules)
     return model
 
 
@@ -156,7 +180,9 @@ def init_sharded(module_fn, mesh: Mesh, rules: Rules) -> nnx.Module:
         return nnx.split(module_fn())[1]
 
     state = jax.jit(build, out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    model.activation_sharding = ActivationSharding(mesh, rules)
+    return model
 
 
 def data_sharding(mesh: Mesh, rules: Rules, shape: Sequence[int],

@@ -1,0 +1,80 @@
+"""Configs: typed model configs, HF config layouts, presets, and clear errors for bad keys and values."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from tiderl_jax import config as config_lib
+from tiderl_jax.model.config import ConfigError, ModelConfig, RopeScaling, UnsupportedArchitectureError
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+@pytest.mark.parametrize("name, arch, params", [
+    ("tiny", "qwen3", 3.25e6),
+    ("qwen2_5_0_5b", "qwen2", 0.494e9),  # published: 0.49B
+    ("qwen3_1_7b", "qwen3", 1.72e9),  # published: 1.7B
+    ("llama3_1_8b", "llama", 8.03e9),  # published: 8.03B
+])
+def test_presets_build_the_published_models(name, arch, params):
+    c = _load(name)
+    m = config_lib.model_config(c)
+    assert m.arch == arch
+    assert abs(m.num_params - params) / params < 0.01
+    config_lib.sharding_rules(c)  # rules parse
+
+
+def test_unknown_and_invalid_model_keys_are_errors():
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['num_layer'\]"):
+        ModelConfig.from_dict({"num_layer": 2})
+    with pytest.raises(ConfigError, match="num_heads=6 must be a multiple of num_kv_heads=4"):
+        ModelConfig(num_heads=6, num_kv_heads=4)
+    with pytest.raises(ConfigError, match="dtype='float16'"):
+        ModelConfig(dtype="float16")
+    with pytest.raises(ConfigError, match="rope_type='yarn'"):
+        ModelConfig.from_dict({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+LLAMA_HF = {
+    "model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+}
+SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+def test_hf_config_v4_and_v5_layouts_agree():
+    v4 = {**LLAMA_HF, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **SCALING}}
+    v4_old_key = {**LLAMA_HF, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **SCALING}}
+    v5 = {**LLAMA_HF, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **SCALING}}
+    a, b, c = (ModelConfig.from_hf(x) for x in (v4, v4_old_key, v5))
+    assert a == b == c
+    assert a.rope_scaling == RopeScaling(**SCALING) and a.rope_theta == 500000.0 and a.head_dim == 8
+    assert ModelConfig.from_hf(a.to_hf()) == a
+
+
+def test_hf_config_rejects_what_we_do_not_implement():
+    with pytest.raises(UnsupportedArchitectureError, match="model_type='gpt2'"):
+        ModelConfig.from_hf({**LLAMA_HF, "model_type": "gpt2"})
+    with pytest.raises(UnsupportedArchitectureError, match="sliding"):
+        ModelConfig.from_hf({**LLAMA_HF, "model_type": "qwen2", "use_sliding_window": True})
+    with pytest.raises(UnsupportedArchitectureError, match="hidden_act='gelu'"):
+        ModelConfig.from_hf({**LLAMA_HF, "hidden_act": "gelu"})
+
+
+def test_override_check_names_the_bad_key():
+    tiny = str(ROOT / "configs" / "tiny.py")
+    config_lib.check_overrides(["x", f"--config={tiny}", "--config.model.num_layers=2"], tiny)
+    with pytest.raises(ConfigError, match="config.model has no key 'num_layer'"):
+        config_lib.check_overrides(["x", "--config.model.num_layer=2"], tiny)
+    with pytest.raises(ConfigError, match="config has no key 'modle'"):
+        config_lib.check_overrides(["x", "--config.modle.num_layers", "2"], tiny)
