@@ -19,6 +19,7 @@ are ours ([in, out], heads split out); `hf_io.py` converts to and from the HF la
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol
 
 import flax.struct
 import jax
@@ -103,6 +104,36 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention, the plain reference.
+
+    q [b, t, heads, d]; k, v [b, kv_heads, s, d]; mask [b, t, s] (True = may attend).
+    Returns [b, t, heads, d]. Scores and softmax in float32.
+    """
+    b, t, h, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    scores = einsum_f32("btkgd,bksd->bkgts", qg, k)
+    scores = scores * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = einsum_f32("bkgts,bksd->btkgd", probs, v)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+class Cache(Protocol):
+    """What the cached forward mode needs from a KV cache (dense here, paged in the engine).
+
+    `attend_layer` stores the new keys/values of layer i and attends the queries over everything
+    cached for their rows; `advance` returns the cache after all layers, given their new state.
+    """
+
+    def attend_layer(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array,
+                     constrain) -> tuple[jax.Array, Any]: ...
+
+    def advance(self, layer_states: list, num_new: jax.Array | None) -> "Cache": ...
+
+
 @flax.struct.dataclass
 class KVCache:
     """Dense KV cache for cached decoding.
@@ -127,6 +158,21 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[2]
 
+    def attend_layer(self, i, q, k, v, constrain):
+        """q [b, t, h, d], k/v [b, t, kv, d] -> (out [b, t, h, d], (cache k_i, cache v_i))."""
+        k = _write_rows(self.k[i], k.transpose(0, 2, 1, 3), self.lengths)
+        v = _write_rows(self.v[i], v.transpose(0, 2, 1, 3), self.lengths)
+        if constrain is not None:
+            k = constrain(k, ("batch", "kv_heads", "cache_seq", "head_dim"))
+            v = constrain(v, ("batch", "kv_heads", "cache_seq", "head_dim"))
+        q_abs = self.lengths[:, None] + jnp.arange(q.shape[1])[None, :]  # cache index of each query
+        mask = jnp.arange(self.max_len)[None, None, :] <= q_abs[:, :, None]
+        return attend(q, k.astype(q.dtype), v.astype(q.dtype), mask), (k, v)
+
+    def advance(self, layer_states, num_new):
+        return KVCache(k=tuple(s[0] for s in layer_states), v=tuple(s[1] for s in layer_states),
+                       lengths=self.lengths + num_new)
+
 
 def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
     """Writes new [b, kv, t, d] into cache [b, kv, s, d] at per-row offsets starts [b]."""
@@ -135,23 +181,6 @@ def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Arra
         return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, s, 0))
 
     return jax.vmap(one)(cache, new, starts)
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention, the plain reference.
-
-    q [b, t, heads, d]; k, v [b, kv_heads, s, d]; mask [b, t, s] (True = may attend).
-    Returns [b, t, heads, d]. Scores and softmax in float32.
-    """
-    b, t, h, d = q.shape
-    kvh = k.shape[1]
-    qg = q.reshape(b, t, kvh, h // kvh, d)
-    scores = einsum_f32("btkgd,bksd->bkgts", qg, k)
-    scores = scores * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = einsum_f32("bkgts,bksd->btkgd", probs, v)
-    return out.reshape(b, t, h, d).astype(q.dtype)
 
 
 class Attention(nnx.Module):
@@ -171,8 +200,11 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd, "head_dim")
         self.cfg = cfg
 
-    def __call__(self, x, positions, inv_freq, mask, cache_kv=None, starts=None, constrain=None):
-        """x [b, t, embed] -> ([b, t, embed], (k, v) written into the cache or None)."""
+    def __call__(self, x, positions, inv_freq, mask=None, cache=None, layer_index=0, constrain=None):
+        """x [b, t, embed] -> ([b, t, embed], this layer's new cache state or None).
+
+        Full mode: `mask` [b, t, t]. Cached mode: the cache stores k/v and builds its own mask.
+        """
         cfg, dt = self.cfg, x.dtype
         q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...].astype(dt))
         k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...].astype(dt))
@@ -187,18 +219,11 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, inv_freq)
         if constrain is not None:
             q = constrain(q, ("batch", "seq", "q_heads", "head_dim"))
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [b, kv, t, d]
-        new_kv = None
-        if cache_kv is not None:
-            k = _write_rows(cache_kv[0], k, starts)
-            v = _write_rows(cache_kv[1], v, starts)
-            if constrain is not None:
-                k = constrain(k, ("batch", "kv_heads", "cache_seq", "head_dim"))
-                v = constrain(v, ("batch", "kv_heads", "cache_seq", "head_dim"))
-            new_kv = (k, v)
-            k, v = k.astype(dt), v.astype(dt)
-        out = attend(q, k, v, mask)
-        return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), new_kv
+        if cache is None:
+            out, layer_state = attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask), None
+        else:
+            out, layer_state = cache.attend_layer(layer_index, q, k, v, constrain)
+        return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), layer_state
 
 
 class MLP(nnx.Module):
@@ -225,8 +250,8 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, inv_freq, mask, cache_kv=None, starts=None, constrain=None):
-        h, new_kv = self.attn(self.input_norm(x), positions, inv_freq, mask, cache_kv, starts,
+    def __call__(self, x, positions, inv_freq, mask=None, cache=None, layer_index=0, constrain=None):
+        h, new_kv = self.attn(self.input_norm(x), positions, inv_freq, mask, cache, layer_index,
                               constrain)
         x = x + h
         x = x + self.mlp(self.post_attn_norm(x))
@@ -258,10 +283,10 @@ class Decoder(nnx.Module):
         positions: jax.Array,  # [b, t] int32 RoPE positions
         *,
         segment_ids: jax.Array | None = None,  # [b, t]; full mode only; equal ids attend
-        cache: KVCache | None = None,
+        cache: Cache | None = None,  # KVCache here; the engine's PagedKV
         num_new: jax.Array | None = None,  # [b] real tokens per row (cached mode); default t
         return_hidden: bool = False,
-    ) -> tuple[jax.Array, KVCache | None]:
+    ) -> tuple[jax.Array, Cache | None]:
         """Returns (logits [b, t, vocab] float32 (or final hidden [b, t, embed]), updated cache)."""
         cfg = self.cfg
         dt = _dtype(cfg.dtype)
@@ -271,30 +296,23 @@ class Decoder(nnx.Module):
         if constrain is not None:
             x = constrain(x, ("batch", "seq", None))
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a compile-time constant, not state
+        mask = None
         if cache is None:
             idx = jnp.arange(t)
             mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (b, t, t))
             if segment_ids is not None:
                 mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-            starts = None
-        else:
-            if segment_ids is not None:
-                raise ValueError("segment_ids apply to the full-sequence mode, not the cached mode")
-            starts = cache.lengths
-            q_abs = starts[:, None] + jnp.arange(t)[None, :]  # [b, t] cache index of each query
-            mask = jnp.arange(cache.max_len)[None, None, :] <= q_abs[:, :, None]
-        new_k, new_v = [], []
+        elif segment_ids is not None:
+            raise ValueError("segment_ids apply to the full-sequence mode, not the cached mode")
+        layer_states = []
         for i, layer in enumerate(self.layers):
-            cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer(x, positions, inv_freq, mask, cache_kv, starts, constrain)
-            if kv is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
+            x, state = layer(x, positions, inv_freq, mask, cache, i, constrain)
+            layer_states.append(state)
         x = self.final_norm(x)
         new_cache = None
         if cache is not None:
             added = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
-            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + added)
+            new_cache = cache.advance(layer_states, added)
         if return_hidden:
             return x, new_cache
         logits = self.logits(x)
