@@ -1,0 +1,1 @@
+"""The rollout engine: JetStream-style verbs and a continuous-batching engine over a paged KV pool."""

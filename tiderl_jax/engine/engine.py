@@ -1,0 +1,634 @@
+"""The rollout engine: continuous batching of many sequences over a paged KV pool.
+
+```
+ submit / submit_group ──► waiting ──admit──► prefilling ──(chunks under the step budget)──► running
+                              ▲                    │ (prefix-cache hits and forks skip tokens)   │
+                              │ preempted           ▼                                            ▼
+ resume(new_tokens) ◄──── paused (keeps KV) ◄── end of turn (keep_kv) ◄── stop id / max_new_tokens
+                                                    └──────── end of turn (no keep_kv) ──► finished
+```
+
+`step()` is one scheduling round: admit waiting sequences into free slots (prefix-cache lookup,
+or a fork of the group leader's prompt pages), take chunks of pending prefills up to the prefill
+budget (a policy in `tiderl_jax/policies/prefill_budget.py`: static or P-PAS), run one prefill
+program for all chunks, then one decode program for every running sequence: K steps at once when
+nothing else waits, one step otherwise, so prefills interleave with decodes.
+
+Memory: pages are allocated as sequences grow. When none is left, the preemption policy
+(`tiderl_jax/policies/preemption.py`) picks a victim whose KV is **dropped and recomputed** when it
+runs again. We recompute rather than copy to host memory because on CPU host and device memory are
+the same memory, and on accelerators the victim's full blocks stay in the prefix cache (LRU), so the
+recompute mostly hits the cache when memory frees up soon; the rest is one fast prefill.
+
+Weights: `update_params(params, version)` swaps the parameters between steps. Every generated token
+records the version that produced it. In-flight sequences continue on the new weights
+(`on_update="continue"`, as AReaL) or are rolled back to the start of their turn and rerun
+(`"abort"`); prefix-cache blocks are keyed by version, so older ones are not reused unless
+`reuse_stale_prefix_cache`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from tiderl_jax.engine.kv_pages import OutOfPages, PagePool, block_key
+from tiderl_jax.engine.runner import ModelRunner, bucket, pow2_buckets
+from tiderl_jax.engine.sampling import RequestError, SamplingParams, stop_matrix
+from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.policies.preemption import PreemptionCandidate, choose_victim
+from tiderl_jax.policies.prefill_budget import PrefillSignals, choose_prefill_budget
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int = 4096  # including the trash page
+    max_seq_len: int = 4096  # longest context (prompt + all turns) a sequence may reach
+    max_running: int = 64  # sequences prefilling or decoding at once (decode batch)
+    prefill_chunk: int = 512  # longest chunk of one sequence per step
+    prefill_budget: int = 2048  # prompt tokens per step (the full budget)
+    prefill_pressure_budget: int = 256  # P-PAS cap under prefill pressure
+    prefill_policy: str = "static"  # "static" | "ppas"
+    decode_steps: int = 8  # decode steps per call when no prefill is pending
+    enable_prefix_cache: bool = True
+    reuse_stale_prefix_cache: bool = False
+    on_update: str = "continue"  # "continue" | "abort"
+    attention_impl: str = "xla"  # "xla" | "reference" | "pallas"
+    max_stop_ids: int = 8
+
+    def __post_init__(self):
+        if self.on_update not in ("continue", "abort"):
+            raise ValueError(f"on_update={self.on_update!r} is not 'continue' or 'abort'")
+        if self.prefill_policy not in ("static", "ppas"):
+            raise ValueError(f"prefill_policy={self.prefill_policy!r} is not 'static' or 'ppas'")
+        if self.max_seq_len % self.page_size:
+            raise ValueError(f"max_seq_len={self.max_seq_len} must be a multiple of page_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    prompt: Sequence[int]
+    sampling: SamplingParams = SamplingParams()
+    priority: float = 0.0  # higher is kept longer under memory pressure
+    keep_kv: bool = False  # at the end of a turn, pause with KV kept (for resume) instead of finishing
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclasses.dataclass
+class _Seq:
+    id: int
+    tokens: list[int]
+    model_mask: list[bool]  # True where the engine generated the token
+    logp_sample: list[float]  # per token (0.0 where not generated)
+    logp_model: list[float]
+    versions: list[int]  # policy version that generated each token (-1 where not generated)
+    sampling: SamplingParams
+    priority: float
+    keep_kv: bool
+    arrival: int
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose KV is in `pages`
+    pages: list[int] = dataclasses.field(default_factory=list)
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of registered full blocks
+    turn_start: int = 0  # index of the first token of the current turn's context addition
+    turn_generated: int = 0
+    num_sampled: int = 0  # all tokens ever sampled (the RNG index)
+    pinned: bool = False
+    parent: int | None = None  # group leader whose prompt pages this sample forks
+    looked_up: bool = False  # prefix cache consulted since the last (re)admission
+    finish_reason: str | None = None
+    submit_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceOutput:
+    handle: int
+    status: Status
+    finish_reason: str | None
+    tokens: list[int]  # the whole context: prompt, generated and resumed tokens
+    model_mask: list[bool]
+    logp_sample: list[float]
+    logp_model: list[float]
+    versions: list[int]
+    turn_start: int  # where the current (or last) turn's context began
+    ttft_s: float | None
+    latency_s: float | None
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """The tokens generated in the current (or last) turn."""
+        return [t for t, m in zip(self.tokens[self.turn_start:], self.model_mask[self.turn_start:]) if m]
+
+
+class Engine:
+    """submit / step / pause / resume / abort / update_params / stats over one model replica."""
+
+    def __init__(self, model: Decoder, config: EngineConfig = EngineConfig(), *, version: int = 0):
+        self.config = config
+        self.model_cfg = model.cfg
+        self.runner = ModelRunner(model, num_pages=config.num_pages, page_size=config.page_size,
+                                  attention_impl=config.attention_impl)
+        self.pool = PagePool(config.num_pages, config.page_size)
+        self.version = version
+        self._seqs: dict[int, _Seq] = {}
+        self._next_id = 0
+        self._arrivals = 0
+        max_pages = config.max_seq_len // config.page_size
+        self._page_buckets = pow2_buckets(min(4, max_pages), max_pages)
+        self._row_buckets = pow2_buckets(min(8, config.max_running), config.max_running)
+        self._prefill_row_buckets = pow2_buckets(1, config.max_running)
+        self._chunk_buckets = pow2_buckets(min(16, config.prefill_chunk), config.prefill_chunk)
+        self._counters = dict(steps=0, prefill_calls=0, decode_calls=0, prompt_tokens=0,
+                              prompt_tokens_cached=0, prefill_tokens_computed=0, decode_tokens=0,
+                              preemptions=0, requests=0, rejected=0, param_updates=0)
+        self._t0 = time.perf_counter()
+
+    # ================================================================== public API
+
+    def submit(self, request: Request) -> int:
+        """Queues a request; returns its handle. Bad requests raise RequestError (nothing queued)."""
+        return self._add(request, parent=None, seed_offset=0)
+
+    def submit_group(self, request: Request, n: int) -> list[int]:
+        """G samples of one prompt: the prompt is prefilled once and its pages are shared (forked).
+
+        Sample i uses seed `request.sampling.seed + i`.
+        """
+        if n < 1:
+            raise RequestError(f"group size n={n} must be >= 1")
+        leader = self._add(request, parent=None, seed_offset=0)
+        return [leader] + [self._add(request, parent=leader, seed_offset=i) for i in range(1, n)]
+
+    def pause(self, handle: int) -> None:
+        """Stops generating for `handle` and frees its slot; its KV pages stay (it can resume)."""
+        seq = self._get(handle)
+        if seq.status in (Status.FINISHED, Status.ABORTED):
+            raise RequestError(f"request {handle} has ended ({seq.status.value}); it cannot pause")
+        seq.status = Status.PAUSED
+
+    def resume(self, handle: int, new_tokens: Sequence[int] = (), *,
+               sampling: SamplingParams | None = None) -> None:
+        """Appends `new_tokens` (e.g. a tool's observation) and starts a new turn.
+
+        Only the tokens whose KV is not cached are prefilled: the new ones (and the last sampled
+        token), unless the sequence was preempted while paused.
+        """
+        seq = self._get(handle)
+        if seq.status != Status.PAUSED:
+            raise RequestError(f"request {handle} is {seq.status.value}, not paused; cannot resume")
+        new_tokens = list(new_tokens)
+        sampling = sampling or seq.sampling
+        sampling.validate(self.config.max_stop_ids)
+        self._check_tokens(new_tokens, what=f"resume tokens of request {handle}", allow_empty=True)
+        total = len(seq.tokens) + len(new_tokens) + sampling.max_new_tokens
+        if total > self.config.max_seq_len:
+            raise RequestError(
+                f"request {handle}: context {len(seq.tokens)} + {len(new_tokens)} new tokens + "
+                f"max_new_tokens {sampling.max_new_tokens} exceeds max_seq_len {self.config.max_seq_len}")
+        seq.turn_start = len(seq.tokens)
+        self._append(seq, new_tokens, generated=False)
+        seq.sampling = sampling
+        seq.turn_generated = 0
+        seq.finish_reason = None
+        seq.status = Status.WAITING
+        seq.looked_up = False
+        seq.arrival = self._arrival()
+
+    def abort(self, handle: int) -> None:
+        seq = self._get(handle)
+        if seq.status in (Status.FINISHED, Status.ABORTED):
+            return
+        self._drop_kv(seq)
+        seq.status, seq.finish_reason = Status.ABORTED, "abort"
+        seq.finish_time = time.perf_counter()
+
+    def release(self, handle: int) -> None:
+        """Ends a paused sequence; its full blocks stay in the prefix cache."""
+        seq = self._get(handle)
+        if seq.status == Status.PAUSED:
+            self._drop_kv(seq)
+            seq.status = Status.FINISHED
+
+    def pin(self, handle: int) -> None:
+        """Exempts the sequence's KV from preemption (a task waiting on a tool keeps its context)."""
+        self._get(handle).pinned = True
+
+    def unpin(self, handle: int) -> None:
+        self._get(handle).pinned = False
+
+    def forget(self, handle: int) -> None:
+        """Drops an ended sequence's record (call once its output has been read)."""
+        seq = self._get(handle)
+        if seq.status not in (Status.FINISHED, Status.ABORTED):
+            raise RequestError(f"request {handle} is {seq.status.value}; abort or release it first")
+        del self._seqs[handle]
+
+    def update_params(self, params, version: int) -> None:
+        """Swaps in new weights (an nnx.State of the same model), effective from the next step."""
+        self.runner.set_params(params)
+        self.version = version
+        self._counters["param_updates"] += 1
+        if self.config.on_update == "abort":
+            for seq in self._seqs.values():
+                if seq.status in (Status.WAITING, Status.PREFILLING, Status.RUNNING):
+                    self._rollback_turn(seq)
+                if seq.status == Status.PAUSED:
+                    self._drop_kv(seq)
+
+    def get(self, handle: int) -> SequenceOutput:
+        s = self._get(handle)
+        return SequenceOutput(
+            handle=s.id, status=s.status, finish_reason=s.finish_reason, tokens=list(s.tokens),
+            model_mask=list(s.model_mask), logp_sample=list(s.logp_sample),
+            logp_model=list(s.logp_model), versions=list(s.versions), turn_start=s.turn_start,
+            ttft_s=None if s.first_token_time is None else s.first_token_time - s.submit_time,
+            latency_s=None if s.finish_time is None else s.finish_time - s.submit_time)
+
+    def has_work(self) -> bool:
+        return any(s.status in (Status.WAITING, Status.PREFILLING, Status.RUNNING)
+                   for s in self._seqs.values())
+
+    def stats(self) -> dict:
+        c = dict(self._counters)
+        by_status = {st.value: 0 for st in Status}
+        for s in self._seqs.values():
+            by_status[s.status.value] += 1
+        c.update({f"num_{k}": v for k, v in by_status.items()})
+        c["prefix_hit_rate"] = c["prompt_tokens_cached"] / max(1, c["prompt_tokens"])
+        c.update(pages_total=self.pool.num_pages - 1, pages_used=self.pool.num_used,
+                 pages_cached=self.pool.num_cached, pages_free=self.pool.num_free - self.pool.num_cached,
+                 prefix_evictions=self.pool.evictions, compilations=self.runner.compile_count(),
+                 version=self.version, uptime_s=time.perf_counter() - self._t0)
+        return c
+
+    def step(self) -> list[int]:
+        """One scheduling round; returns the handles whose turn ended (finished or paused)."""
+        self._counters["steps"] += 1
+        ended: list[int] = []
+        self._admit()
+        chunks = self._plan_prefill()
+        prefilling_left = any(s.status == Status.PREFILLING and s.num_computed + n < len(s.tokens)
+                              for s, n in chunks)
+        waiting = any(s.status == Status.WAITING for s in self._seqs.values())
+        if chunks:
+            ended += self._run_prefill(chunks)
+        steps = 1 if (chunks or prefilling_left or waiting) else self.config.decode_steps
+        ended += self._run_decode(steps)
+        return ended
+
+    def run(self, handles: Sequence[int] | None = None, max_steps: int = 1_000_000) -> None:
+        """Steps until the given handles (default: all) are no longer waiting, prefilling or running."""
+        active = (Status.WAITING, Status.PREFILLING, Status.RUNNING)
+        for _ in range(max_steps):
+            seqs = self._seqs.values() if handles is None else [self._seqs[h] for h in handles]
+            if not any(s.status in active for s in seqs):
+                return
+            self.step()
+        raise RuntimeError(f"engine did not finish within {max_steps} steps")
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[SequenceOutput]:
+        """Convenience: submit prompts, run to completion, return and forget their outputs."""
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        handles = [self.submit(Request(p, s)) for p, s in zip(prompts, sampling)]
+        self.run(handles)
+        out = [self.get(h) for h in handles]
+        for h in handles:
+            self.forget(h)
+        return out
+
+    # ================================================================== bookkeeping
+
+    def _arrival(self) -> int:
+        self._arrivals += 1
+        return self._arrivals
+
+    def _get(self, handle: int) -> _Seq:
+        try:
+            return self._seqs[handle]
+        except KeyError:
+            raise RequestError(f"unknown request handle {handle}") from None
+
+    def _check_tokens(self, tokens: Sequence[int], *, what: str, allow_empty: bool = False) -> None:
+        if not tokens and not allow_empty:
+            raise RequestError(f"{what} is empty")
+        vocab = self.model_cfg.vocab_size
+        bad = [t for t in tokens if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
+        if bad:
+            raise RequestError(f"{what} holds token ids {bad[:4]} outside [0, {vocab})")
+
+    def _add(self, request: Request, *, parent: int | None, seed_offset: int) -> int:
+        try:
+            request.sampling.validate(self.config.max_stop_ids)
+            prompt = list(request.prompt)
+            self._check_tokens(prompt, what="prompt")
+            need = len(prompt) + request.sampling.max_new_tokens
+            if need > self.config.max_seq_len:
+                raise RequestError(
+                    f"prompt of {len(prompt)} tokens + max_new_tokens {request.sampling.max_new_tokens}"
+                    f" exceeds the engine's max_seq_len {self.config.max_seq_len}")
+        except RequestError:
+            self._counters["rejected"] += 1
+            raise
+        sampling = dataclasses.replace(request.sampling, seed=request.sampling.seed + seed_offset)
+        seq = _Seq(id=self._next_id, tokens=[], model_mask=[], logp_sample=[], logp_model=[],
+                   versions=[], sampling=sampling, priority=request.priority,
+                   keep_kv=request.keep_kv, arrival=self._arrival(), parent=parent,
+                   submit_time=time.perf_counter())
+        self._append(seq, prompt, generated=False)
+        self._seqs[seq.id] = seq
+        self._next_id += 1
+        self._counters["requests"] += 1
+        return seq.id
+
+    def _append(self, seq: _Seq, tokens: Sequence[int], *, generated: bool,
+                logp_sample: Sequence[float] = (), logp_model: Sequence[float] = ()) -> None:
+        n = len(tokens)
+        seq.tokens.extend(int(t) for t in tokens)
+        seq.model_mask.extend([generated] * n)
+        seq.logp_sample.extend(logp_sample if generated else [0.0] * n)
+        seq.logp_model.extend(logp_model if generated else [0.0] * n)
+        seq.versions.extend([self.version if generated else -1] * n)
+
+    def _cache_version(self) -> int:
+        return 0 if self.config.reuse_stale_prefix_cache else self.version
+
+    def _drop_kv(self, seq: _Seq) -> None:
+        for page in seq.pages:
+            self.pool.release(page)
+        seq.pages, seq.block_keys, seq.num_computed = [], [], 0
+        seq.looked_up = False
+
+    def _rollback_turn(self, seq: _Seq) -> None:
+        """Discards what the current turn generated and its KV; the sequence reruns the turn."""
+        keep = seq.turn_start + next((i for i, m in enumerate(seq.model_mask[seq.turn_start:]) if m),
+                                     len(seq.tokens) - seq.turn_start)
+        for field in ("tokens", "model_mask", "logp_sample", "logp_model", "versions"):
+            del getattr(seq, field)[keep:]
+        seq.num_sampled -= seq.turn_generated
+        seq.turn_generated = 0
+        self._drop_kv(seq)
+        seq.status = Status.WAITING
+
+    def _register_blocks(self, seq: _Seq) -> None:
+        """Registers each newly completed full block of `seq` in the prefix cache."""
+        if not self.config.enable_prefix_cache:
+            return
+        ps = self.config.page_size
+        while len(seq.block_keys) < seq.num_computed // ps:
+            i = len(seq.block_keys)
+            parent = seq.block_keys[-1] if seq.block_keys else None
+            key = block_key(parent, seq.tokens[i * ps:(i + 1) * ps], self._cache_version())
+            self.pool.register(seq.pages[i], key)
+            seq.block_keys.append(key)
+
+    # ================================================================== scheduling
+
+    def _admit(self) -> None:
+        running = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in self._seqs.values())
+        waiting = sorted((s for s in self._seqs.values() if s.status == Status.WAITING),
+                         key=lambda s: (-s.priority, s.arrival))
+        ps = self.config.page_size
+        for seq in waiting:
+            if running >= self.config.max_running:
+                return
+            if seq.parent is not None and not seq.looked_up:
+                leader = self._seqs.get(seq.parent)
+                shared = (len(seq.tokens) - 1) // ps  # full prompt blocks, the last token excluded
+                if leader is not None and leader.status not in (Status.FINISHED, Status.ABORTED) \
+                        and leader.num_computed < shared * ps:
+                    continue  # the leader has not prefilled the shared prompt yet
+                if leader is not None and len(leader.pages) >= shared and leader.num_computed >= shared * ps:
+                    seq.pages = [self.pool.fork(p) for p in leader.pages[:shared]]
+                    seq.block_keys = list(leader.block_keys[:shared])
+                    seq.num_computed = shared * ps
+                    self._counters["prompt_tokens"] += len(seq.tokens)
+                    self._counters["prompt_tokens_cached"] += shared * ps
+                    seq.looked_up = True
+                seq.parent = None
+            if not seq.looked_up:
+                self._lookup_prefix(seq)
+            seq.status = Status.PREFILLING
+            running += 1
+
+    def _lookup_prefix(self, seq: _Seq) -> None:
+        """Takes cached blocks for the start of the uncomputed context (never its last token)."""
+        ps = self.config.page_size
+        start = seq.num_computed
+        hits = 0
+        if self.config.enable_prefix_cache and start % ps == 0:
+            parent = seq.block_keys[-1] if seq.block_keys else None
+            for i in range(start // ps, (len(seq.tokens) - 1) // ps):
+                key = block_key(parent, seq.tokens[i * ps:(i + 1) * ps], self._cache_version())
+                page = self.pool.lookup(key)
+                if page is None:
+                    break
+                if len(seq.pages) > i:  # a partially filled page of ours stands there: replace it
+                    self.pool.release(seq.pages[i])
+                    seq.pages[i] = page
+                else:
+                    seq.pages.append(page)
+                seq.block_keys.append(key)
+                parent = key
+                hits += 1
+        seq.num_computed = start + hits * ps
+        # Hit rate: of the context this prefill needs, how much was already cached (kept KV of a
+        # paused sequence, or prefix-cache blocks).
+        self._counters["prompt_tokens"] += len(seq.tokens)
+        self._counters["prompt_tokens_cached"] += seq.num_computed
+        seq.looked_up = True
+
+    def _ensure_pages(self, seq: _Seq, num_tokens: int) -> bool:
+        """Grows `seq` to hold `num_tokens` tokens of KV, preempting others if needed."""
+        need = -(-num_tokens // self.config.page_size)
+        while len(seq.pages) < need:
+            try:
+                seq.pages.append(self.pool.allocate())
+            except OutOfPages:
+                if not self._preempt_for(seq):
+                    return False
+        return True
+
+    def _preempt_for(self, requester: _Seq) -> bool:
+        candidates = [
+            PreemptionCandidate(s.id, s.priority, s.arrival, s.status == Status.PAUSED, s.pinned,
+                                len(s.pages))
+            for s in self._seqs.values()
+            if s.pages and s.status in (Status.PAUSED, Status.PREFILLING, Status.RUNNING)]
+        victim = choose_victim(candidates, requester.id, requester_priority=requester.priority,
+                               requester_arrival=requester.arrival)
+        if victim is None:
+            return False
+        v = self._seqs[victim]
+        self._drop_kv(v)
+        if v.status in (Status.PREFILLING, Status.RUNNING):
+            v.status = Status.WAITING
+        self._counters["preemptions"] += 1
+        return True
+
+    def _plan_prefill(self) -> list[tuple[_Seq, int]]:
+        """Chunks (sequence, tokens) to prefill this step, within the policy's budget."""
+        pending = sorted((s for s in self._seqs.values() if s.status == Status.PREFILLING),
+                         key=lambda s: (-s.priority, s.arrival))
+        decoding = sum(s.status == Status.RUNNING for s in self._seqs.values())
+        budget = choose_prefill_budget(
+            self.config.prefill_policy, PrefillSignals(len(pending), decoding),
+            full_budget=self.config.prefill_budget,
+            pressure_budget=self.config.prefill_pressure_budget)
+        chunks = []
+        for seq in pending:
+            if budget <= 0:
+                break
+            if seq.status != Status.PREFILLING:  # preempted while planning an earlier chunk
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, self.config.prefill_chunk, budget)
+            if not self._ensure_pages(seq, seq.num_computed + n):
+                continue
+            chunks.append((seq, n))
+            budget -= n
+        return [(s, n) for s, n in chunks if s.status == Status.PREFILLING]
+
+    def _sampling_arrays(self, seqs: Sequence[_Seq], rows: int):
+        pad = rows - len(seqs)
+        temp = np.asarray([s.sampling.temperature for s in seqs] + [0.0] * pad, np.float32)
+        top_k = np.asarray([s.sampling.top_k for s in seqs] + [0] * pad, np.int32)
+        top_p = np.asarray([s.sampling.top_p for s in seqs] + [1.0] * pad, np.float32)
+        seeds = np.asarray([s.sampling.seed for s in seqs] + [0] * pad, np.int32)
+        index = np.asarray([s.num_sampled for s in seqs] + [0] * pad, np.int32)
+        filtered = any(s.sampling.top_k > 0 or s.sampling.top_p < 1.0 for s in seqs)
+        return temp, top_k, top_p, seeds, index, filtered
+
+    def _page_table(self, seqs: Sequence[_Seq], rows: int) -> np.ndarray:
+        width = bucket(max(len(s.pages) for s in seqs), self._page_buckets)
+        table = np.zeros((rows, width), np.int32)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.pages)] = s.pages
+        return table
+
+    def _run_prefill(self, chunks: list[tuple[_Seq, int]]) -> list[int]:
+        rows = bucket(len(chunks), self._prefill_row_buckets)
+        width = bucket(max(n for _, n in chunks), self._chunk_buckets)
+        seqs = [s for s, _ in chunks]
+        tokens = np.zeros((rows, width), np.int32)
+        starts = np.zeros(rows, np.int32)
+        num_new = np.zeros(rows, np.int32)
+        for i, (s, n) in enumerate(chunks):
+            tokens[i, :n] = s.tokens[s.num_computed:s.num_computed + n]
+            starts[i], num_new[i] = s.num_computed, n
+        temp, top_k, top_p, seeds, index, filtered = self._sampling_arrays(seqs, rows)
+        tok, lps, lpm = self.runner.prefill(tokens, self._page_table(seqs, rows), starts, num_new,
+                                            temp, top_k, top_p, seeds, index, filtered=filtered)
+        self._counters["prefill_calls"] += 1
+        ended = []
+        now = time.perf_counter()
+        for i, (s, n) in enumerate(chunks):
+            s.num_computed += n
+            self._counters["prefill_tokens_computed"] += n
+            self._register_blocks(s)
+            if s.num_computed == len(s.tokens):  # context complete: its last logits give a token
+                s.status = Status.RUNNING
+                if self._accept(s, int(tok[i]), float(lps[i]), float(lpm[i]), now):
+                    ended.append(s.id)
+        return ended
+
+    def _accept(self, s: _Seq, token: int, lp_sample: float, lp_model: float, now: float) -> bool:
+        """Appends one sampled token; ends the turn on a stop id or the budget. True if it ended."""
+        self._append(s, [token], generated=True, logp_sample=[lp_sample], logp_model=[lp_model])
+        s.turn_generated += 1
+        s.num_sampled += 1
+        if s.first_token_time is None:
+            s.first_token_time = now
+        reason = None
+        if token in s.sampling.stop_ids:
+            reason = "stop"
+        elif s.turn_generated >= s.sampling.max_new_tokens or len(s.tokens) >= self.config.max_seq_len:
+            reason = "length"
+        if reason is None:
+            return False
+        s.finish_reason = reason
+        s.finish_time = now
+        self._register_blocks(s)
+        if s.keep_kv:
+            s.status = Status.PAUSED
+        else:
+            self._drop_kv(s)
+            s.status = Status.FINISHED
+        return True
+
+    def _run_decode(self, steps: int) -> list[int]:
+        running = sorted((s for s in self._seqs.values() if s.status == Status.RUNNING),
+                         key=lambda s: (-s.priority, s.arrival))
+        if not running:
+            return []
+        batch = []
+        for s in running:
+            if s.status != Status.RUNNING:  # preempted for an earlier row of this batch
+                continue
+            grow = min(steps, s.sampling.max_new_tokens - s.turn_generated,
+                       self.config.max_seq_len - len(s.tokens))
+            if self._ensure_pages(s, len(s.tokens) - 1 + grow):
+                batch.append(s)
+            elif self._ensure_pages(s, len(s.tokens)):
+                batch.append(s)
+                steps = 1
+            else:  # cannot even take one more token: give way and recompute later
+                self._drop_kv(s)
+                s.status = Status.WAITING
+                self._counters["preemptions"] += 1
+        batch = [s for s in batch if s.status == Status.RUNNING][: self.config.max_running]
+        if not batch:
+            return []
+        rows = bucket(len(batch), self._row_buckets)
+        pad = rows - len(batch)
+        tokens = np.asarray([s.tokens[-1] for s in batch] + [0] * pad, np.int32)
+        starts = np.asarray([len(s.tokens) - 1 for s in batch] + [0] * pad, np.int32)
+        live = np.asarray([True] * len(batch) + [False] * pad)
+        remaining = np.asarray([min(s.sampling.max_new_tokens - s.turn_generated,
+                                    self.config.max_seq_len - len(s.tokens)) for s in batch]
+                               + [0] * pad, np.int32)
+        stops = np.asarray(stop_matrix([s.sampling.stop_ids for s in batch] + [()] * pad,
+                                       self.config.max_stop_ids), np.int32)
+        temp, top_k, top_p, seeds, index, filtered = self._sampling_arrays(batch, rows)
+        max_steps = self.config.decode_steps
+        tok, lps, lpm, ok = self.runner.decode(
+            tokens, self._page_table(batch, rows), starts, live, remaining, stops, temp, top_k,
+            top_p, seeds, index, min(steps, max_steps), max_steps=max_steps, filtered=filtered)
+        self._counters["decode_calls"] += 1
+        ended = []
+        now = time.perf_counter()
+        for i, s in enumerate(batch):
+            for j in range(max_steps):
+                if not ok[j, i]:
+                    break
+                s.num_computed = len(s.tokens)  # the token fed at this step is now cached
+                self._counters["decode_tokens"] += 1
+                if self._accept(s, int(tok[j, i]), float(lps[j, i]), float(lpm[j, i]), now):
+                    ended.append(s.id)
+                    break
+            if s.status == Status.RUNNING:
+                self._trim_pages(s)
+            self._register_blocks(s)
+        return ended
+
+    def _trim_pages(self, s: _Seq) -> None:
+        """Returns pages allocated ahead for decode steps that did not happen."""
+        need = -(-len(s.tokens) // self.config.page_size)
+        while len(s.pages) > need:
+            self.pool.release(s.pages.pop())

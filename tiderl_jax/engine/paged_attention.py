@@ -1,0 +1,114 @@
+"""Attention over a paged KV pool, and the `PagedKV` cache the decoder's cached mode writes into.
+
+The pool of one layer is [num_pages, kv_heads, page_size, head_dim]. A row (one sequence in this
+call) owns a page table [max_pages] of page ids: token position p of the row lives at
+page_table[p // page_size], offset p % page_size. Page 0 is the trash page: padding tokens write there
+and unused page-table entries point there; it is never read unmasked.
+
+Implementations (selected by name, so a kernel can be plugged in without touching the model):
+- `reference`: per row, concatenate the row's pages into a contiguous K/V and run the plain
+  attention. Obviously correct; slow; used by tests.
+- `xla` (default): one gather of all rows' pages, one masked attention. Portable and fast on CPU.
+- `pallas`: the hook for a fused ragged paged-attention kernel on GPU/TPU; register one with
+  `register_paged_attention("pallas", fn)` (same signature as `paged_attention_xla`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tiderl_jax.model.decoder import attend
+
+TRASH_PAGE = 0
+
+
+def _mask(starts: jax.Array, t: int, span: int) -> jax.Array:
+    """[b, t, span]: query t of row b (at position starts[b] + t) sees keys at positions <= its own."""
+    q_abs = starts[:, None] + jnp.arange(t)[None, :]
+    return jnp.arange(span)[None, None, :] <= q_abs[:, :, None]
+
+
+def paged_attention_reference(q, k_pool, v_pool, page_table, starts):
+    """q [b, t, h, d]; pools [pages, kv, ps, d]; page_table [b, P]; starts [b] -> [b, t, h, d]."""
+    rows = []
+    for r in range(q.shape[0]):
+        k = jnp.concatenate([k_pool[page_table[r, j]] for j in range(page_table.shape[1])], axis=1)
+        v = jnp.concatenate([v_pool[page_table[r, j]] for j in range(page_table.shape[1])], axis=1)
+        mask = _mask(starts[r:r + 1], q.shape[1], k.shape[1])
+        rows.append(attend(q[r:r + 1], k[None].astype(q.dtype), v[None].astype(q.dtype), mask))
+    return jnp.concatenate(rows, axis=0)
+
+
+def paged_attention_xla(q, k_pool, v_pool, page_table, starts):
+    """Same contract as the reference: gather [b, P] pages at once, then one masked attention."""
+    b, p = page_table.shape
+    _, kvh, ps, d = k_pool.shape
+
+    def gather(pool):  # [b, P, kv, ps, d] -> [b, kv, P*ps, d]
+        return pool[page_table].transpose(0, 2, 1, 3, 4).reshape(b, kvh, p * ps, d).astype(q.dtype)
+
+    return attend(q, gather(k_pool), gather(v_pool), _mask(starts, q.shape[1], p * ps))
+
+
+def _pallas_unavailable(*args):
+    raise NotImplementedError(
+        "no Pallas paged-attention kernel is registered; call "
+        "tiderl_jax.engine.paged_attention.register_paged_attention('pallas', fn) on GPU/TPU, "
+        "or use attention_impl='xla'")
+
+
+PAGED_ATTENTION: dict[str, Callable] = {
+    "reference": paged_attention_reference,
+    "xla": paged_attention_xla,
+    "pallas": _pallas_unavailable,
+}
+
+
+def register_paged_attention(name: str, fn: Callable) -> None:
+    PAGED_ATTENTION[name] = fn
+
+
+def write_pages(pool: jax.Array, new: jax.Array, page_table: jax.Array, starts: jax.Array,
+                num_new: jax.Array) -> jax.Array:
+    """Scatters new [b, t, kv, d] into pool [pages, kv, ps, d]; tokens t >= num_new[b] go to trash."""
+    b, t = new.shape[:2]
+    ps = pool.shape[2]
+    pos = starts[:, None] + jnp.arange(t)[None, :]  # [b, t]
+    valid = jnp.arange(t)[None, :] < num_new[:, None]
+    slot = jnp.clip(pos // ps, 0, page_table.shape[1] - 1)
+    page = jnp.where(valid, jnp.take_along_axis(page_table, slot, axis=1), TRASH_PAGE)
+    offset = jnp.where(valid, pos % ps, 0)
+    return pool.at[page.reshape(-1), :, offset.reshape(-1), :].set(
+        new.reshape(b * t, *new.shape[2:]).astype(pool.dtype))
+
+
+@flax.struct.dataclass
+class PagedKV:
+    """The paged cache of one forward call (implements the decoder's `Cache` protocol).
+
+    k_pages, v_pages: per layer [num_pages, kv_heads, page_size, head_dim]; page_table [b, P];
+    starts [b]: tokens of each row already cached (its first new token's position);
+    num_new [b]: real tokens of this call per row (0 for a padding row).
+    """
+
+    k_pages: tuple[jax.Array, ...]
+    v_pages: tuple[jax.Array, ...]
+    page_table: jax.Array
+    starts: jax.Array
+    num_new: jax.Array
+    impl: str = flax.struct.field(pytree_node=False, default="xla")
+
+    def attend_layer(self, i, q, k, v, constrain):
+        k_pool = write_pages(self.k_pages[i], k, self.page_table, self.starts, self.num_new)
+        v_pool = write_pages(self.v_pages[i], v, self.page_table, self.starts, self.num_new)
+        out = PAGED_ATTENTION[self.impl](q, k_pool, v_pool, self.page_table, self.starts)
+        return out, (k_pool, v_pool)
+
+    def advance(self, layer_states, num_new):
+        return self.replace(k_pages=tuple(s[0] for s in layer_states),
+                            v_pages=tuple(s[1] for s in layer_states),
+                            starts=self.starts + self.num_new)

@@ -1,0 +1,149 @@
+"""The engine's device programs: chunked prefill and multi-step decode over the paged KV pool.
+
+Two jitted programs, each compiled once per padded shape bucket so a steady-state run never
+recompiles (`compile_count` lets tests check it):
+
+- `prefill(rows [B], chunk [T], pages [P])`: writes up to T new tokens per row into its pages,
+  computes logits only at each row's last real token, and samples a token there (used only when the
+  chunk completes the row's context);
+- `decode(rows [S], pages [P])`: up to K decode steps in one call (a `while` loop on device with a
+  dynamic trip count), each feeding every live row its last token, writing its KV and sampling the
+  next; rows stop on their stop ids or remaining budget. Multi-step decode removes the host round
+  trip between steps when no scheduling event is pending.
+
+Pools are donated to every call and replaced by the results, so pages are updated in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from tiderl_jax.engine.paged_attention import PagedKV
+from tiderl_jax.engine.sampling import row_keys, sample
+from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.model.sharding import spec_for
+
+
+def bucket(n: int, buckets) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+def _prefill_program(graphdef, params, k_pages, v_pages, tokens, page_table, starts, num_new,
+                     temperature, top_k, top_p, seeds, sample_index, *, impl, filtered):
+    model = nnx.merge(graphdef, params)
+    b, t = tokens.shape
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    cache = PagedKV(k_pages, v_pages, page_table, starts, num_new, impl=impl)
+    hidden, cache = model(tokens, positions, cache=cache, num_new=num_new, return_hidden=True)
+    last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
+    logits = model.logits(last)[:, 0]
+    token, lp_sample, lp_model = sample(logits, temperature, top_k, top_p,
+                                        row_keys(seeds, sample_index), filtered=filtered)
+    return cache.k_pages, cache.v_pages, token, lp_sample, lp_model
+
+
+def _decode_program(graphdef, params, k_pages, v_pages, tokens, page_table, starts, live,
+                    remaining, stop_ids, temperature, top_k, top_p, seeds, sample_index, num_steps,
+                    *, max_steps, impl, filtered):
+    model = nnx.merge(graphdef, params)
+    s = tokens.shape[0]
+    out_tok = jnp.zeros((max_steps, s), jnp.int32)
+    out_lps = jnp.zeros((max_steps, s), jnp.float32)
+    out_lpm = jnp.zeros((max_steps, s), jnp.float32)
+    out_ok = jnp.zeros((max_steps, s), bool)
+
+    def body(i, carry):
+        kp, vp, tok, pos, live, rem, idx, out_tok, out_lps, out_lpm, out_ok = carry
+        n = live.astype(jnp.int32)
+        cache = PagedKV(kp, vp, page_table, pos, n, impl=impl)
+        hidden, cache = model(tok[:, None], pos[:, None], cache=cache, num_new=n, return_hidden=True)
+        logits = model.logits(hidden)[:, 0]
+        nxt, lps, lpm = sample(logits, temperature, top_k, top_p, row_keys(seeds, idx),
+                               filtered=filtered)
+        out_tok = out_tok.at[i].set(nxt)
+        out_lps = out_lps.at[i].set(lps)
+        out_lpm = out_lpm.at[i].set(lpm)
+        out_ok = out_ok.at[i].set(live)
+        rem = rem - n
+        stopped = (nxt[:, None] == stop_ids).any(axis=-1) | (rem <= 0)
+        return (cache.k_pages, cache.v_pages, jnp.where(live, nxt, tok), pos + n,
+                live & ~stopped, rem, idx + n, out_tok, out_lps, out_lpm, out_ok)
+
+    carry = (k_pages, v_pages, tokens, starts, live, remaining, sample_index,
+             out_tok, out_lps, out_lpm, out_ok)
+    carry = jax.lax.fori_loop(0, num_steps, body, carry)
+    kp, vp = carry[0], carry[1]
+    return kp, vp, carry[7], carry[8], carry[9], carry[10]
+
+
+class ModelRunner:
+    """Owns the parameters and the page pools on the engine's devices; runs the two programs."""
+
+    def __init__(self, model: Decoder, *, num_pages: int, page_size: int, attention_impl: str = "xla"):
+        cfg = model.cfg
+        self.cfg = cfg
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.impl = attention_impl
+        self.graphdef, self.params = nnx.split(model)
+        shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+        act = model.activation_sharding
+        if act is not None:
+            spec = spec_for(shape, (None, "kv_heads", None, "head_dim"), act.rules, act.mesh)
+            self.pool_sharding = NamedSharding(act.mesh, spec)
+            self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
+        else:
+            self.pool_sharding = SingleDeviceSharding(jax.local_devices()[0])
+            self.param_shardings = None
+        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype)), out_shardings=self.pool_sharding)
+        self.k_pages = tuple(zeros() for _ in range(cfg.num_layers))
+        self.v_pages = tuple(zeros() for _ in range(cfg.num_layers))
+        self._prefill = jax.jit(_prefill_program, static_argnames=("graphdef", "impl", "filtered"),
+                                donate_argnames=("k_pages", "v_pages"))
+        self._decode = jax.jit(_decode_program,
+                               static_argnames=("graphdef", "max_steps", "impl", "filtered"),
+                               donate_argnames=("k_pages", "v_pages"))
+
+    def set_params(self, params) -> None:
+        """New weights (an nnx.State like the model's), placed onto the engine's shardings."""
+        if self.param_shardings is not None:
+            params = jax.device_put(params, self.param_shardings)
+        self.params = params
+
+    def compile_count(self) -> int:
+        return self._prefill._cache_size() + self._decode._cache_size()
+
+    def prefill(self, tokens, page_table, starts, num_new, temperature, top_k, top_p, seeds,
+                sample_index, *, filtered: bool):
+        """All arguments are host arrays: tokens [B, T], page_table [B, P], the rest [B]."""
+        self.k_pages, self.v_pages, tok, lps, lpm = self._prefill(
+            self.graphdef, self.params, self.k_pages, self.v_pages, tokens, page_table, starts,
+            num_new, temperature, top_k, top_p, seeds, sample_index, impl=self.impl,
+            filtered=filtered)
+        return np.asarray(tok), np.asarray(lps), np.asarray(lpm)
+
+    def decode(self, tokens, page_table, starts, live, remaining, stop_ids, temperature, top_k,
+               top_p, seeds, sample_index, num_steps: int, *, max_steps: int, filtered: bool):
+        """Host arrays [S] (page_table [S, P], stop_ids [S, W]); returns host [max_steps, S] arrays."""
+        self.k_pages, self.v_pages, tok, lps, lpm, ok = self._decode(
+            self.graphdef, self.params, self.k_pages, self.v_pages, tokens, page_table, starts, live,
+            remaining, stop_ids, temperature, top_k, top_p, seeds, sample_index,
+            np.int32(num_steps), max_steps=max_steps, impl=self.impl, filtered=filtered)
+        return np.asarray(tok), np.asarray(lps), np.asarray(lpm), np.asarray(ok)

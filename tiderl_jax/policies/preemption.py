@@ -1,0 +1,46 @@
+"""Which sequence gives up its KV pages when the pool is full (engine preemption).
+
+Rule (ours, in the spirit of vLLM's recompute preemption, ordered for agentic workloads):
+1. pinned sequences are never chosen (a task waiting on a tool that the scheduler protects);
+2. among the rest, idle (paused) sequences go before active ones: they need no pages right now;
+3. then the lowest priority (CTB supplies priorities, MECHANISMS.md §1a);
+4. then the latest arrival (the earliest has waited longest and has the most work invested).
+The requester itself is a candidate of last resort only when `allow_self` (a decode that cannot
+grow preempts itself rather than stall everyone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionCandidate:
+    seq_id: int
+    priority: float
+    arrival: int  # monotone admission counter
+    paused: bool
+    pinned: bool
+    num_pages: int
+
+
+def choose_victim(candidates: Sequence[PreemptionCandidate], requester: int, *,
+                  requester_priority: float, requester_arrival: int) -> int | None:
+    """The seq_id to preempt for `requester`, or None if nobody may be preempted for it.
+
+    An active sequence is preempted only for a requester that outranks it: higher priority, or
+    equal priority and earlier arrival (first come, first served; this also prevents two sequences
+    from preempting each other in turn).
+    """
+    def outranked(c: PreemptionCandidate) -> bool:
+        return c.priority < requester_priority or (
+            c.priority == requester_priority and c.arrival > requester_arrival)
+
+    eligible = [c for c in candidates
+                if c.seq_id != requester and not c.pinned and c.num_pages > 0
+                and (c.paused or outranked(c))]
+    if not eligible:
+        return None
+    best = min(eligible, key=lambda c: (not c.paused, c.priority, -c.arrival))
+    return best.seq_id
