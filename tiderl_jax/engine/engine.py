@@ -52,6 +52,7 @@ class EngineConfig:
     max_seq_len: int = 4096  # longest context (prompt + all turns) a sequence may reach
     max_running: int = 64  # sequences prefilling or decoding at once (decode batch)
     prefill_chunk: int = 512  # longest chunk of one sequence per step
+    max_prefill_rows: int = 8  # sequences prefilled together in one step
     prefill_budget: int = 2048  # prompt tokens per step (the full budget)
     prefill_pressure_budget: int = 256  # P-PAS cap under prefill pressure
     prefill_policy: str = "static"  # "static" | "ppas"
@@ -152,7 +153,7 @@ class Engine:
         max_pages = config.max_seq_len // config.page_size
         self._page_buckets = pow2_buckets(min(4, max_pages), max_pages)
         self._row_buckets = pow2_buckets(min(8, config.max_running), config.max_running)
-        self._prefill_row_buckets = pow2_buckets(1, config.max_running)
+        self._prefill_row_buckets = pow2_buckets(1, min(config.max_prefill_rows, config.max_running))
         self._chunk_buckets = pow2_buckets(min(16, config.prefill_chunk), config.prefill_chunk)
         self._counters = dict(steps=0, prefill_calls=0, decode_calls=0, prompt_tokens=0,
                               prompt_tokens_cached=0, prefill_tokens_computed=0, decode_tokens=0,
@@ -274,8 +275,37 @@ class Engine:
         c.update(pages_total=self.pool.num_pages - 1, pages_used=self.pool.num_used,
                  pages_cached=self.pool.num_cached, pages_free=self.pool.num_free - self.pool.num_cached,
                  prefix_evictions=self.pool.evictions, compilations=self.runner.compile_count(),
+                 compile_s=self.runner.compile_s,
                  version=self.version, uptime_s=time.perf_counter() - self._t0)
         return c
+
+    def warmup(self) -> float:
+        """Compiles every device program the engine can ask for (all shape buckets); returns seconds.
+
+        After this, no traffic within the configured limits compiles anything.
+        """
+        t0 = time.perf_counter()
+        for rows in self._row_buckets:
+            for pages in self._page_buckets:
+                z = np.zeros(rows, np.int32)
+                self.runner.decode(z, np.zeros((rows, pages), np.int32), z, np.zeros(rows, bool), z,
+                                   np.full((rows, self.config.max_stop_ids), -1, np.int32),
+                                   np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z, 1,
+                                   max_steps=self.config.decode_steps, filtered=False)
+        for rows in self._prefill_row_buckets:
+            for width in self._chunk_buckets:
+                for pages in self._page_buckets:
+                    z = np.zeros(rows, np.int32)
+                    self.runner.prefill(np.zeros((rows, width), np.int32),
+                                        np.zeros((rows, pages), np.int32), z, z,
+                                        np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z,
+                                        filtered=False)
+        return time.perf_counter() - t0
+
+    def num_programs(self) -> int:
+        """Size of the shape-bucket grid `warmup` compiles."""
+        return len(self._page_buckets) * (len(self._row_buckets) + len(self._prefill_row_buckets)
+                                          * len(self._chunk_buckets))
 
     def step(self) -> list[int]:
         """One scheduling round; returns the handles whose turn ended (finished or paused)."""
@@ -494,7 +524,7 @@ class Engine:
             pressure_budget=self.config.prefill_pressure_budget)
         chunks = []
         for seq in pending:
-            if budget <= 0:
+            if budget <= 0 or len(chunks) >= self._prefill_row_buckets[-1]:
                 break
             if seq.status != Status.PREFILLING:  # preempted while planning an earlier chunk
                 continue

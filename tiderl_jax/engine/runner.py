@@ -16,7 +16,7 @@ Pools are donated to every call and replaced by the results, so pages are update
 
 from __future__ import annotations
 
-import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 
 def _prefill_program(graphdef, params, k_pages, v_pages, tokens, page_table, starts, num_new,
-                     temperature, top_k, top_p, seeds, sample_index, *, impl, filtered):
+                     temperature, top_k, top_p, seeds, sample_index, filtered, *, impl):
     model = nnx.merge(graphdef, params)
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -60,8 +60,8 @@ def _prefill_program(graphdef, params, k_pages, v_pages, tokens, page_table, sta
 
 
 def _decode_program(graphdef, params, k_pages, v_pages, tokens, page_table, starts, live,
-                    remaining, stop_ids, temperature, top_k, top_p, seeds, sample_index, num_steps,
-                    *, max_steps, impl, filtered):
+                    remaining, stop_ids, temperature, top_k, top_p, seeds, sample_index, filtered,
+                    num_steps, *, max_steps, impl):
     model = nnx.merge(graphdef, params)
     s = tokens.shape[0]
     out_tok = jnp.zeros((max_steps, s), jnp.int32)
@@ -115,11 +115,12 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype)), out_shardings=self.pool_sharding)
         self.k_pages = tuple(zeros() for _ in range(cfg.num_layers))
         self.v_pages = tuple(zeros() for _ in range(cfg.num_layers))
-        self._prefill = jax.jit(_prefill_program, static_argnames=("graphdef", "impl", "filtered"),
+        self._prefill = jax.jit(_prefill_program, static_argnames=("graphdef", "impl"),
                                 donate_argnames=("k_pages", "v_pages"))
-        self._decode = jax.jit(_decode_program,
-                               static_argnames=("graphdef", "max_steps", "impl", "filtered"),
+        self._decode = jax.jit(_decode_program, static_argnames=("graphdef", "max_steps", "impl"),
                                donate_argnames=("k_pages", "v_pages"))
+        self._programs: set = set()  # shape keys this runner has run (compiled here or before)
+        self.compile_s = 0.0  # wall time of calls that compiled a new program
 
     def set_params(self, params) -> None:
         """New weights (an nnx.State like the model's), placed onto the engine's shardings."""
@@ -128,22 +129,36 @@ class ModelRunner:
         self.params = params
 
     def compile_count(self) -> int:
-        return self._prefill._cache_size() + self._decode._cache_size()
+        """Distinct device programs this runner has run (one compilation each, at most)."""
+        return len(self._programs)
+
+    def _call(self, key, fn, *args, **kwargs):
+        """Runs `fn`, timing it as compile time if the jit cache grew (a new program)."""
+        before = fn._cache_size()
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kwargs))
+        if fn._cache_size() != before:
+            self.compile_s += time.perf_counter() - t0
+        self._programs.add(key)
+        return out
 
     def prefill(self, tokens, page_table, starts, num_new, temperature, top_k, top_p, seeds,
                 sample_index, *, filtered: bool):
         """All arguments are host arrays: tokens [B, T], page_table [B, P], the rest [B]."""
-        self.k_pages, self.v_pages, tok, lps, lpm = self._prefill(
-            self.graphdef, self.params, self.k_pages, self.v_pages, tokens, page_table, starts,
-            num_new, temperature, top_k, top_p, seeds, sample_index, impl=self.impl,
-            filtered=filtered)
+        key = ("prefill", tokens.shape, page_table.shape)
+        self.k_pages, self.v_pages, tok, lps, lpm = self._call(
+            key, self._prefill, self.graphdef, self.params, self.k_pages, self.v_pages, tokens,
+            page_table, starts, num_new, temperature, top_k, top_p, seeds, sample_index,
+            np.bool_(filtered), impl=self.impl)
         return np.asarray(tok), np.asarray(lps), np.asarray(lpm)
 
     def decode(self, tokens, page_table, starts, live, remaining, stop_ids, temperature, top_k,
                top_p, seeds, sample_index, num_steps: int, *, max_steps: int, filtered: bool):
         """Host arrays [S] (page_table [S, P], stop_ids [S, W]); returns host [max_steps, S] arrays."""
-        self.k_pages, self.v_pages, tok, lps, lpm, ok = self._decode(
-            self.graphdef, self.params, self.k_pages, self.v_pages, tokens, page_table, starts, live,
-            remaining, stop_ids, temperature, top_k, top_p, seeds, sample_index,
-            np.int32(num_steps), max_steps=max_steps, impl=self.impl, filtered=filtered)
+        key = ("decode", tokens.shape, page_table.shape, max_steps)
+        self.k_pages, self.v_pages, tok, lps, lpm, ok = self._call(
+            key, self._decode, self.graphdef, self.params, self.k_pages, self.v_pages, tokens,
+            page_table, starts, live, remaining, stop_ids, temperature, top_k, top_p, seeds,
+            sample_index, np.bool_(filtered), np.int32(num_steps), max_steps=max_steps,
+            impl=self.impl)
         return np.asarray(tok), np.asarray(lps), np.asarray(lpm), np.asarray(ok)

@@ -59,13 +59,15 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
            keys: jax.Array, *, filtered: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """logits [b, V] float32 -> (token [b], logp under sampling dist [b], logp under model [b]).
 
-    `filtered` (static) enables the top-k / top-p path (a sort over the vocabulary); without it,
-    top_k and top_p are ignored, so the caller sets it whenever any row asks for them.
+    `filtered` enables the top-k / top-p path (a sort over the vocabulary); without it, top_k and
+    top_p are ignored, so the caller sets it whenever any row asks for them. A Python bool decides
+    at trace time; a traced bool selects the path at run time (`lax.cond`), with no recompile.
     """
     logp_model = jax.nn.log_softmax(logits, axis=-1)
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    if filtered:
+
+    def top_k_top_p(scaled):
         order = jnp.argsort(-scaled, axis=-1)
         sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
         rank = jnp.arange(logits.shape[-1])[None, :]
@@ -74,8 +76,12 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         keep = keep & ((mass_before < top_p[:, None]) | (rank == 0))
         sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-        inverse = jnp.argsort(order, axis=-1)
-        scaled = jnp.take_along_axis(sorted_logits, inverse, axis=-1)
+        return jnp.take_along_axis(sorted_logits, jnp.argsort(order, axis=-1), axis=-1)
+
+    if isinstance(filtered, bool):
+        scaled = top_k_top_p(scaled) if filtered else scaled
+    else:  # decided at run time: one compiled program serves both
+        scaled = jax.lax.cond(filtered, top_k_top_p, lambda x: x, scaled)
     logp_sample = jax.nn.log_softmax(scaled, axis=-1)
     drawn = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp_sample)
     token = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)

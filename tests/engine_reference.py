@@ -1,0 +1,41 @@
+"""The naive references the engine is tested against: full recompute of the whole sequence, no cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+_WIDTH = 256
+
+
+@nnx.jit
+def _logits(model, tokens, positions):
+    return model(tokens, positions)[0]
+
+
+def full_logits(model, seq):
+    """Logits [len(seq), vocab] of one sequence by one full forward (padded: causal, so harmless)."""
+    width = _WIDTH if len(seq) <= _WIDTH else len(seq)
+    padded = np.zeros((1, width), np.int32)
+    padded[0, :len(seq)] = seq
+    return np.asarray(_logits(model, jnp.asarray(padded), jnp.arange(width, dtype=jnp.int32)[None]))[0, :len(seq)]
+
+
+def greedy(model, prompt, n, stop_ids=()):
+    """Greedy continuation by recomputing the full forward at every step."""
+    seq = list(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(full_logits(model, seq)[-1]))
+        out.append(tok)
+        seq.append(tok)
+        if tok in stop_ids:
+            break
+    return out
+
+
+def token_logprobs(model, seq, temperature=1.0):
+    """log p(seq[i] | seq[:i]) for every i >= 1 under the model (and at `temperature`)."""
+    logits = full_logits(model, seq)[:-1]
+    lp = jax.nn.log_softmax(jnp.asarray(logits) / temperature, axis=-1)
+    return np.asarray(jnp.take_along_axis(lp, jnp.asarray(seq[1:])[:, None], axis=-1)[:, 0])
