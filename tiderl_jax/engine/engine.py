@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from tiderl_jax.engine.kv_pages import OutOfPages, PagePool, block_key
-from tiderl_jax.engine.runner import ModelRunner, bucket, pow2_buckets
+from tiderl_jax.engine.runner import ModelRunner, bucket, half_pow2_buckets, pow2_buckets
 from tiderl_jax.engine.sampling import RequestError, SamplingParams, stop_matrix
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.policies.preemption import PreemptionCandidate, choose_victim
@@ -52,7 +52,7 @@ class EngineConfig:
     max_seq_len: int = 4096  # longest context (prompt + all turns) a sequence may reach
     max_running: int = 64  # sequences prefilling or decoding at once (decode batch)
     prefill_chunk: int = 512  # longest chunk of one sequence per step
-    max_prefill_rows: int = 8  # sequences prefilled together in one step
+    max_prefill_rows: int = 16  # sequences prefilled together in one step
     prefill_budget: int = 2048  # prompt tokens per step (the full budget)
     prefill_pressure_budget: int = 256  # P-PAS cap under prefill pressure
     prefill_policy: str = "static"  # "static" | "ppas"
@@ -151,7 +151,7 @@ class Engine:
         self._next_id = 0
         self._arrivals = 0
         max_pages = config.max_seq_len // config.page_size
-        self._page_buckets = pow2_buckets(min(4, max_pages), max_pages)
+        self._page_buckets = half_pow2_buckets(min(4, max_pages), max_pages)
         self._row_buckets = pow2_buckets(min(8, config.max_running), config.max_running)
         self._prefill_row_buckets = pow2_buckets(1, min(config.max_prefill_rows, config.max_running))
         self._chunk_buckets = pow2_buckets(min(16, config.prefill_chunk), config.prefill_chunk)

@@ -63,7 +63,6 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     top_p are ignored, so the caller sets it whenever any row asks for them. A Python bool decides
     at trace time; a traced bool selects the path at run time (`lax.cond`), with no recompile.
     """
-    logp_model = jax.nn.log_softmax(logits, axis=-1)
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
 
@@ -82,11 +81,19 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         scaled = top_k_top_p(scaled) if filtered else scaled
     else:  # decided at run time: one compiled program serves both
         scaled = jax.lax.cond(filtered, top_k_top_p, lambda x: x, scaled)
-    logp_sample = jax.nn.log_softmax(scaled, axis=-1)
-    drawn = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp_sample)
-    token = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    pick = lambda lp: jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]  # noqa: E731
-    return token, jnp.where(greedy, 0.0, pick(logp_sample)), pick(logp_model)
+    # Inverse-CDF draw: one uniform per row instead of one Gumbel per vocabulary entry (the
+    # categorical sampler's way), which made sampling a fifth of a CPU decode step.
+    lse = jax.nn.logsumexp(scaled, axis=-1)
+    cdf = jnp.cumsum(jnp.exp(scaled - lse[:, None]), axis=-1)
+    u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys) * cdf[:, -1]
+    drawn = jnp.minimum(jnp.sum(cdf < u[:, None], axis=-1), logits.shape[-1] - 1)
+    best = jax.lax.cond(greedy.any(), lambda x: jnp.argmax(x, axis=-1).astype(drawn.dtype),
+                        lambda x: drawn, logits)  # argmax costs as much as the draw: skip if unused
+    token = jnp.where(greedy, best, drawn).astype(jnp.int32)
+    pick = lambda x: jnp.take_along_axis(x, token[:, None], axis=-1)[:, 0]  # noqa: E731
+    logp_sample = jnp.where(greedy, 0.0, pick(scaled) - lse)
+    logp_model = pick(logits) - jax.nn.logsumexp(logits, axis=-1)
+    return token, logp_sample, logp_model
 
 
 def stop_matrix(stop_ids: Sequence[Sequence[int]], width: int) -> list[list[int]]:
