@@ -294,7 +294,7 @@ def test_no_recompiles_in_steady_state():
     eng = _engine(num_pages=48, max_running=4, max_seq_len=128, prefill_chunk=32, max_prefill_rows=4)
     eng.warmup()
     warm = eng.stats()["compilations"]
-    assert warm == eng.num_programs() == 35  # decode 1 row bucket x 5 page buckets + prefill 3 x 2 x 5
+    assert warm == eng.num_programs() == 23  # decode 1 row x 5 span buckets + prefill 3 rows x 2 chunks x 3 spans
     rng = np.random.default_rng(0)
     handles = []
     for i in range(40):

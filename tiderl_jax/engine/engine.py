@@ -151,7 +151,10 @@ class Engine:
         self._next_id = 0
         self._arrivals = 0
         max_pages = config.max_seq_len // config.page_size
+        # Decode reads its whole attention span every step: fine buckets. A prefill's span costs
+        # little next to its chunk: coarse ones (fewer programs to compile).
         self._page_buckets = half_pow2_buckets(min(4, max_pages), max_pages)
+        self._prefill_page_buckets = pow2_buckets(min(4, max_pages), max_pages)
         self._row_buckets = pow2_buckets(min(8, config.max_running), config.max_running)
         self._prefill_row_buckets = pow2_buckets(1, min(config.max_prefill_rows, config.max_running))
         self._chunk_buckets = pow2_buckets(min(16, config.prefill_chunk), config.prefill_chunk)
@@ -294,7 +297,7 @@ class Engine:
                                    max_steps=self.config.decode_steps, filtered=False)
         for rows in self._prefill_row_buckets:
             for width in self._chunk_buckets:
-                for pages in self._page_buckets:
+                for pages in self._prefill_page_buckets:
                     z = np.zeros(rows, np.int32)
                     self.runner.prefill(np.zeros((rows, width), np.int32),
                                         np.zeros((rows, pages), np.int32), z, z,
@@ -304,8 +307,8 @@ class Engine:
 
     def num_programs(self) -> int:
         """Size of the shape-bucket grid `warmup` compiles."""
-        return len(self._page_buckets) * (len(self._row_buckets) + len(self._prefill_row_buckets)
-                                          * len(self._chunk_buckets))
+        return (len(self._page_buckets) * len(self._row_buckets) + len(self._prefill_page_buckets)
+                * len(self._prefill_row_buckets) * len(self._chunk_buckets))
 
     def step(self) -> list[int]:
         """One scheduling round; returns the handles whose turn ended (finished or paused)."""
@@ -545,16 +548,25 @@ class Engine:
         filtered = any(s.sampling.top_k > 0 or s.sampling.top_p < 1.0 for s in seqs)
         return temp, top_k, top_p, seeds, index, filtered
 
-    def _page_table(self, seqs: Sequence[_Seq], rows: int) -> np.ndarray:
-        width = bucket(max(len(s.pages) for s in seqs), self._page_buckets)
+    def _page_table(self, seqs: Sequence[_Seq], rows: int, buckets=None) -> np.ndarray:
+        width = bucket(max(len(s.pages) for s in seqs), buckets or self._page_buckets)
         table = np.zeros((rows, width), np.int32)
         for i, s in enumerate(seqs):
             table[i, :len(s.pages)] = s.pages
         return table
 
     def _run_prefill(self, chunks: list[tuple[_Seq, int]]) -> list[int]:
+        """Runs the chunks in one call per chunk-length bucket, so a long chunk does not pad the short ones."""
+        groups: dict[int, list] = {}
+        for s, n in chunks:
+            groups.setdefault(bucket(n, self._chunk_buckets), []).append((s, n))
+        ended = []
+        for width, group in sorted(groups.items()):
+            ended += self._run_prefill_group(group, width)
+        return ended
+
+    def _run_prefill_group(self, chunks: list[tuple[_Seq, int]], width: int) -> list[int]:
         rows = bucket(len(chunks), self._prefill_row_buckets)
-        width = bucket(max(n for _, n in chunks), self._chunk_buckets)
         seqs = [s for s, _ in chunks]
         tokens = np.zeros((rows, width), np.int32)
         starts = np.zeros(rows, np.int32)
@@ -563,7 +575,8 @@ class Engine:
             tokens[i, :n] = s.tokens[s.num_computed:s.num_computed + n]
             starts[i], num_new[i] = s.num_computed, n
         temp, top_k, top_p, seeds, index, filtered = self._sampling_arrays(seqs, rows)
-        tok, lps, lpm = self.runner.prefill(tokens, self._page_table(seqs, rows), starts, num_new,
+        tok, lps, lpm = self.runner.prefill(tokens, self._page_table(seqs, rows, self._prefill_page_buckets),
+                                            starts, num_new,
                                             temp, top_k, top_p, seeds, index, filtered=filtered)
         self._counters["prefill_calls"] += 1
         ended = []

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from tiderl_jax.engine.paged_attention import PagedKV
+from tiderl_jax.engine.paged_attention import PagedKV, write_pages
 from tiderl_jax.engine.sampling import row_keys, sample
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import spec_for
@@ -107,6 +107,14 @@ def _decode_program(graphdef, params, k_pages, v_pages, tokens, page_table, star
     return cache.k_pages, cache.v_pages, carry[5], carry[6], carry[7], carry[8]
 
 
+def _write_sequence(k_pages, v_pages, k, v, page_row, length):
+    """Copies one sequence's dense KV (per layer [kv, L, d]) into its pages (page_row [P])."""
+    table, start, n = page_row[None], jnp.zeros((1,), jnp.int32), length[None]
+    new_k = tuple(write_pages(kp, x.transpose(1, 0, 2)[None], table, start, n) for kp, x in zip(k_pages, k))
+    new_v = tuple(write_pages(vp, x.transpose(1, 0, 2)[None], table, start, n) for vp, x in zip(v_pages, v))
+    return new_k, new_v
+
+
 class ModelRunner:
     """Owns the parameters and the page pools on the engine's devices; runs the two programs."""
 
@@ -129,6 +137,7 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype)), out_shardings=self.pool_sharding)
         self.k_pages = tuple(zeros() for _ in range(cfg.num_layers))
         self.v_pages = tuple(zeros() for _ in range(cfg.num_layers))
+        self._write = jax.jit(_write_sequence, donate_argnames=("k_pages", "v_pages"))
         self._prefill = jax.jit(_prefill_program, static_argnames=("graphdef", "impl"),
                                 donate_argnames=("k_pages", "v_pages"))
         self._decode = jax.jit(_decode_program, static_argnames=("graphdef", "max_steps", "impl"),
@@ -156,6 +165,12 @@ class ModelRunner:
         self._programs.add(key)
         return out
 
+    def write_sequence(self, k, v, page_row, length) -> None:
+        """Stores a dense per-sequence KV (tuples of [kv, L, d]) into the pages of `page_row` [P]."""
+        key = ("write", k[0].shape, page_row.shape)
+        self.k_pages, self.v_pages = self._call(key, self._write, self.k_pages, self.v_pages, k, v,
+                                                page_row, np.int32(length))
+
     def prefill(self, tokens, page_table, starts, num_new, temperature, top_k, top_p, seeds,
                 sample_index, *, filtered: bool):
         """All arguments are host arrays: tokens [B, T], page_table [B, P], the rest [B]."""
@@ -167,11 +182,16 @@ class ModelRunner:
         return np.asarray(tok), np.asarray(lps), np.asarray(lpm)
 
     def decode(self, tokens, page_table, starts, live, remaining, stop_ids, temperature, top_k,
-               top_p, seeds, sample_index, num_steps: int, *, max_steps: int, filtered: bool):
-        """Host arrays [S] (page_table [S, P], stop_ids [S, W]); returns host [max_steps, S] arrays."""
+               top_p, seeds, sample_index, num_steps: int, *, max_steps: int, filtered: bool,
+               params=None):
+        """Host arrays [S] (page_table [S, P], stop_ids [S, W]); returns host [max_steps, S] arrays.
+
+        `params` overrides the runner's own (the JetStream verbs pass parameters explicitly).
+        """
         key = ("decode", tokens.shape, page_table.shape, max_steps)
         self.k_pages, self.v_pages, tok, lps, lpm, ok = self._call(
-            key, self._decode, self.graphdef, self.params, self.k_pages, self.v_pages, tokens,
+            key, self._decode, self.graphdef, self.params if params is None else params,
+            self.k_pages, self.v_pages, tokens,
             page_table, starts, live, remaining, stop_ids, temperature, top_k, top_p, seeds,
             sample_index, np.bool_(filtered), np.int32(num_steps), max_steps=max_steps,
             impl=self.impl)
