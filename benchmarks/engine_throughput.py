@@ -169,7 +169,7 @@ def main():
     save_hf_checkpoint(init_decoder(MODEL, seed=0), ckpt)
     model = load_hf_checkpoint(ckpt)
     config = EngineConfig(page_size=16, num_pages=4096, max_seq_len=MAX_LEN, max_running=64,
-                          prefill_chunk=512, prefill_budget=2048, max_prefill_rows=16, decode_steps=8)
+                          prefill_chunk=512, prefill_budget=2048, max_prefill_rows=16, decode_steps=16)
     engine = Engine(model, config)
     print(f"engine warm-up: compiling {engine.num_programs()} programs (all shape buckets)", flush=True)
     warmup_s = engine.warmup()

@@ -56,7 +56,7 @@ class EngineConfig:
     prefill_budget: int = 2048  # prompt tokens per step (the full budget)
     prefill_pressure_budget: int = 256  # P-PAS cap under prefill pressure
     prefill_policy: str = "static"  # "static" | "ppas"
-    decode_steps: int = 8  # decode steps per call when no prefill is pending
+    decode_steps: int = 16  # decode steps per call when no prefill is pending
     enable_prefix_cache: bool = True
     reuse_stale_prefix_cache: bool = False
     on_update: str = "continue"  # "continue" | "abort"
