@@ -160,7 +160,7 @@ class Engine:
         self._chunk_buckets = pow2_buckets(min(16, config.prefill_chunk), config.prefill_chunk)
         self._counters = dict(steps=0, prefill_calls=0, decode_calls=0, prompt_tokens=0,
                               prompt_tokens_cached=0, prefill_tokens_computed=0, decode_tokens=0,
-                              preemptions=0, requests=0, rejected=0, param_updates=0)
+                              preemptions=0, evictions=0, requests=0, rejected=0, param_updates=0)
         self._t0 = time.perf_counter()
 
     # ================================================================== public API
@@ -228,6 +228,23 @@ class Engine:
         if seq.status == Status.PAUSED:
             self._drop_kv(seq)
             seq.status = Status.FINISHED
+
+    def evict(self, handle: int) -> None:
+        """Drops a paused sequence's KV now (it is recomputed on resume): the caller's eviction."""
+        seq = self._get(handle)
+        if seq.status != Status.PAUSED:
+            raise RequestError(f"request {handle} is {seq.status.value}; only paused sequences are evicted")
+        if seq.pages:
+            self._drop_kv(seq)
+            self._counters["evictions"] += 1
+
+    def num_kv_tokens(self, handle: int) -> int:
+        """Tokens of KV the sequence holds now."""
+        return self._get(handle).num_computed
+
+    def free_kv_tokens(self) -> int:
+        """Tokens of KV obtainable without preempting anyone (free + evictable cached pages)."""
+        return self.pool.num_free * self.config.page_size
 
     def pin(self, handle: int) -> None:
         """Exempts the sequence's KV from preemption (a task waiting on a tool keeps its context)."""

@@ -1,0 +1,1 @@
+"""Agentic environments, multi-turn trajectories and the rollout loop with Continuous Task Batching."""

@@ -1,0 +1,122 @@
+"""The environment protocol and the tool-calling environment the built-in tasks share.
+
+An environment is driven by the rollout loop, one task at a time:
+
+    observation = await env.reset(task)            # the user's request (text)
+    result = await env.step(model_turn_text)        # -> StepResult(observation, reward, done, info)
+
+The model acts through the chat template's tool markup (`<tool_call>{"name", "arguments"}</tool_call>`,
+see `tiderl_jax/model/chat.py`). `ToolEnvironment.step` parses the turn: valid calls run their tools
+(after the environment's latency, which is real waiting time so that scheduling effects are real);
+malformed calls become an error observation the model can read and the turn is counted as
+malformed; a turn without a tool call is the final answer, which the task scores. Tool exceptions
+become error observations too. Nothing the model writes ends the run with an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import random
+from typing import Any, Callable, Mapping, Protocol
+
+from tiderl_jax.model import chat
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    task_id: str
+    kind: str  # "calculator", "lookup", ...
+    prompt: str  # the user's request
+    answer: str  # the verifiable answer
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # task-specific (a KB, ...)
+    is_eval: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    observation: str | None  # what the model sees next (tool output or an error); None when done
+    reward: float
+    done: bool
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Environment(Protocol):
+    async def reset(self, task: Task) -> str: ...
+
+    async def step(self, action: str) -> StepResult: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyModel:
+    """Environment latency per tool call: log-normal with this median (s) and sigma, capped."""
+
+    median_s: float = 0.0
+    sigma: float = 0.0
+    max_s: float = 10.0
+
+    def sample(self, rng: random.Random) -> float:
+        if self.median_s <= 0:
+            return 0.0
+        return min(self.max_s, self.median_s * math.exp(self.sigma * rng.gauss(0.0, 1.0)))
+
+    def mean_s(self) -> float:
+        return self.median_s * math.exp(self.sigma ** 2 / 2) if self.median_s > 0 else 0.0
+
+
+Tool = Callable[[Mapping[str, Any]], str]
+
+
+class ToolError(Exception):
+    """A tool refused its arguments; the message is shown to the model."""
+
+
+class ToolEnvironment:
+    """Runs the task's tools on the model's tool calls and scores its final answer."""
+
+    def __init__(self, tools: Mapping[str, Tool], score: Callable[[Task, str], float], *,
+                 latency: LatencyModel = LatencyModel(), seed: int = 0, require_tool_call: bool = True):
+        self.tools = dict(tools)
+        self.score = score
+        self.latency = latency
+        self.rng = random.Random(seed)
+        self.task: Task | None = None
+        self.require_tool_call = require_tool_call  # the tasks need their tool: an answer before
+        self.malformed_turns = 0                    # any tool call is sent back, not scored
+        self.tool_calls = 0
+
+    async def reset(self, task: Task) -> str:
+        self.task = task
+        return task.prompt
+
+    async def step(self, action: str) -> StepResult:
+        assert self.task is not None, "reset() first"
+        parsed = chat.parse_tool_calls(action)
+        if parsed.errors:
+            self.malformed_turns += 1
+            return StepResult("error: " + "; ".join(parsed.errors), 0.0, False,
+                              {"malformed": True, "errors": parsed.errors})
+        if not parsed.tool_calls and self.require_tool_call and self.tool_calls == 0:
+            tools = ", ".join(sorted(self.tools))
+            return StepResult(f"error: no tool call found; call one of [{tools}] with "
+                              f"{chat.CALL_OPEN}{{\"name\": ..., \"arguments\": {{...}}}}{chat.CALL_CLOSE} "
+                              f"before answering", 0.0, False, {"no_tool_call": True})
+        if not parsed.tool_calls:
+            reward = float(self.score(self.task, parsed.content))
+            return StepResult(None, reward, True, {"answer": parsed.content})
+        outputs = []
+        for call in parsed.tool_calls:
+            self.tool_calls += 1
+            await asyncio.sleep(self.latency.sample(self.rng))
+            tool = self.tools.get(call.name)
+            if tool is None:
+                outputs.append(f"error: unknown tool {call.name!r}; tools: {sorted(self.tools)}")
+                continue
+            try:
+                outputs.append(str(tool(call.arguments)))
+            except ToolError as e:
+                outputs.append(f"error: {e}")
+            except Exception as e:  # a tool bug must not end the run; the model sees the failure
+                outputs.append(f"error: tool {call.name} failed: {type(e).__name__}: {e}")
+        return StepResult("\n".join(outputs), 0.0, False, {"tool_calls": len(parsed.tool_calls)})

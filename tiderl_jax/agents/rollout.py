@@ -1,0 +1,357 @@
+"""The multi-turn rollout loop, with Continuous Task Batching (CTB) or the request-level baseline.
+
+Many tasks run at once (asyncio). Each task alternates an engine turn (the model writes until its
+end-of-turn token or the per-turn budget) and an environment step (real waiting time). One driver
+coroutine owns the engine: tasks send it commands (submit, resume, release, ...) which it applies
+between engine steps; each step runs in a worker thread so environments keep running meanwhile.
+
+```
+task:   admit ─► turn ─► env_wait ─► ready ─► turn ─► ... ─► done
+CTB:    footprint   KV kept + pinned   resume: prefill only the observation tokens
+request-level:      KV released        resubmit: prefill the whole context (prefix cache may hit)
+```
+
+CTB (`mode="ctb"`, MECHANISMS.md §1a, rules in `tiderl_jax/policies/ctb.py`): tasks are admitted
+while their footprint estimates fit the KV budget; a waiting task's KV stays resident and pinned;
+before each engine step, if free KV falls below what the generating tasks need, waiting tasks are
+evicted (lowest priority, or longest expected wait when `readiness_aware`) and recompute on resume.
+The baseline (`mode="request"`) releases KV at every tool call, as a stock engine does.
+
+Truncation policy: a task whose context plus one more turn's budget would exceed `max_context`
+ends with `end_reason="context_limit"` and reward 0, keeping what it generated.
+Failures: an environment exception or timeout ends the task (`env_error` / `env_timeout`, reward 0,
+the reason recorded); a refused engine request ends it with `engine_error`. Other tasks go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import zlib
+from typing import Callable, Sequence
+
+from tiderl_jax.agents.env import Environment, LatencyModel, Task
+from tiderl_jax.agents.tasks import SYSTEM_PROMPT
+from tiderl_jax.agents.trajectory import Trajectory, Turn
+from tiderl_jax.engine.engine import Engine, Request, SequenceOutput
+from tiderl_jax.engine.sampling import RequestError, SamplingParams
+from tiderl_jax.model import chat
+from tiderl_jax.model.tokenizer import Tokenizer
+from tiderl_jax.policies import ctb
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    mode: str = "ctb"  # "ctb" | "request"
+    max_turns: int = 8
+    max_new_tokens: int = 64  # per turn
+    max_context: int = 2048
+    env_concurrency: int = 64  # environment steps in flight at once
+    env_timeout_s: float = 30.0
+    temperature: float = 1.0
+    seed: int = 0
+    kv_budget_tokens: int | None = None  # CTB admission budget; default: the engine's pool
+    initial_growth: int = 128  # CTB footprint growth guess before a task's first turn
+    readiness_aware: bool = False
+    weights: ctb.CTBWeights = ctb.CTBWeights()
+
+    def __post_init__(self):
+        if self.mode not in ("ctb", "request"):
+            raise ValueError(f"rollout mode {self.mode!r} is not 'ctb' or 'request'")
+
+
+@dataclasses.dataclass
+class _TaskState:
+    task: Task
+    group: int
+    latency: LatencyModel
+    handle: int | None = None
+    active: bool = False  # generating (or about to)
+    context_len: int = 0
+    turns_done: int = 0
+    tokens_added: int = 0
+    wait_started: float = 0.0
+    done: bool = False
+    pending_obs: list = dataclasses.field(default_factory=list)  # observation tokens to resume with
+
+
+class _Driver:
+    """Owns the engine: applies queued commands between steps, reports ended turns to waiters."""
+
+    def __init__(self, engine: Engine, before_step: Callable[[], None],
+                 on_turn_end: Callable[[int], None]):
+        self.engine = engine
+        self.before_step = before_step
+        self.on_turn_end = on_turn_end  # runs before the next step (CTB pins the KV here)
+        self._commands: list = []
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._wake = asyncio.Event()
+        self.stop = False
+
+    def command(self, fn: Callable[[], object], wait_turn: bool = False) -> asyncio.Future:
+        """Queues fn (run between steps). With wait_turn, the future gets the SequenceOutput of the
+        turn fn starts (fn must return its handle); otherwise fn's result."""
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.append((fn, wait_turn, fut))
+        self._wake.set()
+        return fut
+
+    def _apply(self):
+        commands, self._commands = self._commands, []
+        for fn, wait_turn, fut in commands:
+            try:
+                result = fn()
+            except Exception as e:  # a refused request fails its task, not the run
+                fut.set_exception(e)
+                continue
+            if wait_turn:
+                self._waiters[result] = fut
+            else:
+                fut.set_result(result)
+
+    async def run(self):
+        while not self.stop:
+            self._apply()
+            if self.engine.has_work():
+                self.before_step()
+                ended = await asyncio.to_thread(self.engine.step)
+                for h in ended:
+                    fut = self._waiters.pop(h, None)
+                    if fut is not None:
+                        self.on_turn_end(h)
+                    if fut is not None and not fut.done():
+                        fut.set_result(self.engine.get(h))
+            else:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.01)
+                except asyncio.TimeoutError:
+                    pass
+
+
+class RolloutRunner:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: RolloutConfig = RolloutConfig()):
+        self.engine = engine
+        self.tok = tokenizer
+        self.config = config
+        self.metrics = dict(tasks=0, completed=0, failed=0, malformed_turns=0, turns=0,
+                            generated_tokens=0, ctb_evictions=0, env_seconds=0.0)
+        self._states: dict[str, _TaskState] = {}
+        self._group_sizes: dict[int, int] = {}
+        self._group_done: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ CTB signals
+
+    def _signals(self, s: _TaskState) -> ctb.TaskKVSignals:
+        waited = time.perf_counter() - s.wait_started
+        return ctb.TaskKVSignals(
+            task_id=s.handle if s.handle is not None else -1, is_eval=s.task.is_eval,
+            group_completion=self._group_done.get(s.group, 0) / self._group_sizes[s.group],
+            is_active=s.active, context_len=self.engine.num_kv_tokens(s.handle) if s.handle is not None else 0,
+            expected_wait_s=0.0 if s.active else max(0.0, s.latency.mean_s() - waited))
+
+    def _relieve_pressure(self):
+        """CTB: evict waiting tasks' KV when free KV cannot hold the generating tasks' next turns."""
+        if self.config.mode != "ctb":
+            return
+        live = [s for s in self._states.values() if not s.done and s.handle is not None]
+        need = sum(self.config.max_new_tokens for s in live if s.active)
+        shortfall = need - self.engine.free_kv_tokens()
+        if shortfall <= 0:
+            return
+        waiting = [self._signals(s) for s in live if not s.active]
+        for handle in ctb.choose_evictions(waiting, shortfall, weights=self.config.weights,
+                                           readiness_aware=self.config.readiness_aware):
+            self.engine.evict(handle)
+            self.metrics["ctb_evictions"] += 1
+
+    # ------------------------------------------------------------------ one task
+
+    async def _run_task(self, driver: _Driver, s: _TaskState, env: Environment,
+                        admission: "_Admission", env_slots: asyncio.Semaphore) -> Trajectory:
+        cfg = self.config
+        traj = Trajectory(s.task.task_id, s.task.kind, s.group)
+        try:
+            first = await env.reset(s.task)
+        except Exception as e:
+            return self._fail(traj, s, "env_error", f"reset failed: {type(e).__name__}: {e}")
+        messages = [chat.Message("system", SYSTEM_PROMPT), chat.Message("user", first)]
+        context = chat.encode(self.tok, messages, add_generation_prompt=True).ids
+        traj.extend(context, generated=False)
+        stop = (self.tok.eos_id,)
+        footprint = ctb.estimate_footprint(len(context), 0, 0, initial_growth=cfg.initial_growth)
+        await admission.acquire(s, footprint)
+        try:
+            for turn in range(cfg.max_turns):
+                if len(traj.tokens) + cfg.max_new_tokens > cfg.max_context:
+                    traj.end_reason = "context_limit"
+                    break
+                sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                                          seed=(cfg.seed * 1_000_003 + zlib.crc32(s.task.task_id.encode())) % 2**31,
+                                          stop_ids=stop)
+                s.active = True
+                t0 = time.perf_counter()
+                try:
+                    out = await self._engine_turn(driver, s, traj, turn, sampling)
+                except RequestError as e:
+                    return self._fail(traj, s, "engine_error", str(e))
+                gen_s = time.perf_counter() - t0
+                n = len(out.new_tokens)
+                start = len(traj.tokens)
+                traj.extend(out.new_tokens, generated=True, logprobs=out.logp_sample[-n:],
+                            model_logprobs=out.logp_model[-n:], versions=out.versions[-n:])
+                self.metrics["generated_tokens"] += n
+                s.active = False
+                s.wait_started = time.perf_counter()
+                text = self.tok.decode(out.new_tokens)
+                t1 = time.perf_counter()
+                try:
+                    async with env_slots:
+                        result = await asyncio.wait_for(env.step(text), cfg.env_timeout_s)
+                except asyncio.TimeoutError:
+                    traj.turns.append(Turn(start, start + n, gen_s, time.perf_counter() - t1))
+                    return self._fail(traj, s, "env_timeout", f"environment step exceeded {cfg.env_timeout_s}s")
+                except Exception as e:
+                    traj.turns.append(Turn(start, start + n, gen_s, time.perf_counter() - t1))
+                    return self._fail(traj, s, "env_error", f"{type(e).__name__}: {e}")
+                env_s = time.perf_counter() - t1
+                self.metrics["env_seconds"] += env_s
+                malformed = bool(result.info.get("malformed"))
+                self.metrics["malformed_turns"] += malformed
+                self.metrics["turns"] += 1
+                traj.turns.append(Turn(start, start + n, gen_s, env_s, malformed))
+                if result.done:
+                    traj.reward = float(result.reward)
+                    traj.end_reason = "answered"
+                    break
+                closing = "" if out.finish_reason == "stop" else chat.TURN_END
+                obs = self.tok.encode(closing + "\n" + chat.render([chat.Message("tool", result.observation or "")],
+                                                                   add_generation_prompt=True))
+                traj.extend(obs, generated=False)
+                s.turns_done += 1
+                s.tokens_added = len(traj.tokens) - len(context)
+                admission.update(s, ctb.estimate_footprint(len(traj.tokens), s.turns_done, s.tokens_added,
+                                                           initial_growth=cfg.initial_growth))
+                s.pending_obs = obs
+            else:
+                traj.end_reason = "max_turns"
+            self.metrics["completed"] += 1
+            return traj
+        finally:
+            self._finish(driver, s)
+            admission.release(s)
+
+    async def _engine_turn(self, driver, s, traj, turn, sampling) -> SequenceOutput:
+        eng = self.engine
+        if self.config.mode == "ctb":
+            if turn == 0:
+                req = Request(list(traj.tokens), sampling, keep_kv=True,
+                              priority=ctb.task_priority(self._signals(s), self.config.weights))
+
+                def first():
+                    s.handle = eng.submit(req)
+                    return s.handle
+                return await driver.command(first, wait_turn=True)
+            obs = s.pending_obs
+
+            def resume():
+                eng.unpin(s.handle)
+                eng.resume(s.handle, obs, sampling=sampling)
+                return s.handle
+            return await driver.command(resume, wait_turn=True)
+        req = Request(list(traj.tokens), sampling)
+
+        def submit():
+            if s.handle is not None:
+                eng.forget(s.handle)
+            s.handle = eng.submit(req)
+            return s.handle
+        return await driver.command(submit, wait_turn=True)
+
+    def _fail(self, traj: Trajectory, s: _TaskState, reason: str, detail: str) -> Trajectory:
+        traj.end_reason, traj.failure, traj.reward = reason, detail, 0.0
+        self.metrics["failed"] += 1
+        return traj
+
+    def _finish(self, driver: _Driver, s: _TaskState):
+        s.done = True
+        self._group_done[s.group] = self._group_done.get(s.group, 0) + 1
+        if s.handle is not None:
+            h = s.handle
+
+            def end():
+                out = self.engine.get(h)
+                if out.status.value == "paused":
+                    self.engine.release(h)
+                elif out.status.value in ("waiting", "prefilling", "running"):
+                    self.engine.abort(h)
+                self.engine.forget(h)
+            driver.command(end)
+
+    # ------------------------------------------------------------------ many tasks
+
+    async def run(self, tasks: Sequence[tuple[Task, int]], make_env: Callable[[Task], Environment],
+                  latency_of: Callable[[Task], LatencyModel] = lambda t: LatencyModel()) -> list[Trajectory]:
+        """Runs every (task, group) to its end; returns trajectories in the order given."""
+        self.metrics["tasks"] += len(tasks)
+        for _, g in tasks:
+            self._group_sizes[g] = self._group_sizes.get(g, 0) + 1
+        states = [_TaskState(t, g, latency_of(t)) for t, g in tasks]
+        for st in states:
+            self._states[st.task.task_id] = st
+        pin = self.engine.pin if self.config.mode == "ctb" else (lambda h: None)
+        driver = _Driver(self.engine, self._relieve_pressure, pin)
+        budget = self.config.kv_budget_tokens or (self.engine.pool.num_pages - 1) * self.engine.config.page_size
+        admission = _Admission(budget if self.config.mode == "ctb" else None)
+        env_slots = asyncio.Semaphore(self.config.env_concurrency)
+        loop_task = asyncio.create_task(driver.run())
+        try:
+            results = await asyncio.gather(*(self._run_task(driver, st, make_env(st.task), admission, env_slots)
+                                             for st in states))
+            while driver._commands:  # let the final releases land
+                await asyncio.sleep(0.005)
+        finally:
+            driver.stop = True
+            await loop_task
+        return list(results)
+
+
+class _Admission:
+    """CTB task-level admission: first come, first served while footprints fit the budget."""
+
+    def __init__(self, budget_tokens: int | None):
+        self.budget = budget_tokens
+        self.footprints: dict[int, int] = {}  # id(state) -> tokens, admitted tasks
+        self.queue: list[tuple[object, int, asyncio.Future]] = []
+
+    async def acquire(self, s, footprint: int):
+        if self.budget is None:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self.queue.append((s, footprint, fut))
+        self._admit()
+        await fut
+
+    def update(self, s, footprint: int):
+        if self.budget is not None and id(s) in self.footprints:
+            self.footprints[id(s)] = footprint
+
+    def release(self, s):
+        if self.budget is None:
+            return
+        self.footprints.pop(id(s), None)
+        self._admit()
+
+    def _admit(self):
+        ids = ctb.admit_tasks([(i, f) for i, (_, f, _) in enumerate(self.queue)],
+                              budget_tokens=self.budget, used_tokens=sum(self.footprints.values()))
+        admitted = set(ids)
+        rest = []
+        for i, (s, f, fut) in enumerate(self.queue):
+            if i in admitted:
+                self.footprints[id(s)] = f
+                fut.set_result(None)
+            else:
+                rest.append((s, f, fut))
+        self.queue = rest

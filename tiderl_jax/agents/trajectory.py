@@ -1,0 +1,78 @@
+"""A multi-turn trajectory: what the trainer consumes, serialisable to disk and back.
+
+Per token: `tokens`, `loss_mask` (True only for tokens the model generated, never prompt or
+observation tokens), `logprobs` (behaviour log-probs under the sampling distribution),
+`model_logprobs` (untempered) and `versions` (policy version that generated it, -1 elsewhere).
+Per turn: the [start, end) token span the model generated and the seconds spent generating and in
+the environment. Per task: reward, the end reason and, for a failed task, what failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+END_REASONS = ("answered", "max_turns", "context_limit", "env_error", "env_timeout", "engine_error")
+
+
+@dataclasses.dataclass
+class Turn:
+    start: int  # first generated token of the turn
+    end: int  # one past its last generated token
+    generate_s: float
+    env_s: float
+    malformed: bool = False
+
+
+@dataclasses.dataclass
+class Trajectory:
+    task_id: str
+    kind: str
+    group: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[bool] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    model_logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    reward: float = 0.0
+    end_reason: str = ""
+    failure: str | None = None  # for failed tasks: what failed, for the log and the metrics
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def extend(self, tokens, *, generated: bool, logprobs=None, model_logprobs=None, versions=None):
+        n = len(tokens)
+        self.tokens.extend(int(t) for t in tokens)
+        self.loss_mask.extend([generated] * n)
+        self.logprobs.extend(list(logprobs) if generated else [0.0] * n)
+        self.model_logprobs.extend(list(model_logprobs) if generated else [0.0] * n)
+        self.versions.extend(list(versions) if generated else [-1] * n)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        d = dict(d)
+        d["turns"] = [Turn(**t) for t in d.get("turns", [])]
+        return cls(**d)
+
+
+def save_trajectories(trajectories: list[Trajectory], path: str | os.PathLike) -> None:
+    """One JSON object per line; written to a temporary file and renamed, so a crash loses nothing."""
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
+        for t in trajectories:
+            f.write(json.dumps(t.to_dict()) + "\n")
+    os.replace(tmp, path)
+
+
+def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
+    with open(path) as f:
+        return [Trajectory.from_dict(json.loads(line)) for line in f if line.strip()]
