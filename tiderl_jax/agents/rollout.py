@@ -156,7 +156,8 @@ class RolloutRunner:
         if self.config.mode != "ctb":
             return
         live = [s for s in self._states.values() if not s.done and s.handle is not None]
-        need = sum(self.config.max_new_tokens for s in live if s.active)
+        ps = self.engine.config.page_size
+        need = sum(self.engine.pending_kv_tokens(s.handle) + ps for s in live if s.active)
         shortfall = need - self.engine.free_kv_tokens()
         if shortfall <= 0:
             return

@@ -205,6 +205,7 @@ class Engine:
             raise RequestError(
                 f"request {handle}: context {len(seq.tokens)} + {len(new_tokens)} new tokens + "
                 f"max_new_tokens {sampling.max_new_tokens} exceeds max_seq_len {self.config.max_seq_len}")
+        self._check_fits_pool(total, f"request {handle}: context + new tokens + max_new_tokens")
         seq.turn_start = len(seq.tokens)
         self._append(seq, new_tokens, generated=False)
         seq.sampling = sampling
@@ -241,6 +242,14 @@ class Engine:
     def num_kv_tokens(self, handle: int) -> int:
         """Tokens of KV the sequence holds now."""
         return self._get(handle).num_computed
+
+    def pending_kv_tokens(self, handle: int) -> int:
+        """Tokens of KV the sequence still has to add in its current turn (context not yet
+        computed plus its remaining new tokens); 0 unless it is waiting, prefilling or running."""
+        s = self._get(handle)
+        if s.status not in (Status.WAITING, Status.PREFILLING, Status.RUNNING):
+            return 0
+        return len(s.tokens) - s.num_computed + s.sampling.max_new_tokens - s.turn_generated
 
     def free_kv_tokens(self) -> int:
         """Tokens of KV obtainable without preempting anyone (free + evictable cached pages)."""
@@ -384,6 +393,13 @@ class Engine:
         if bad:
             raise RequestError(f"{what} holds token ids {bad[:4]} outside [0, {vocab})")
 
+    def _check_fits_pool(self, tokens: int, what: str) -> None:
+        """A sequence that cannot fit the whole pool would stall the engine: refuse it up front."""
+        capacity = (self.pool.num_pages - 1) * self.config.page_size
+        if tokens > capacity:
+            raise RequestError(f"{what} = {tokens} tokens exceeds the KV pool's {capacity} tokens "
+                               f"({self.pool.num_pages - 1} pages of {self.config.page_size})")
+
     def _add(self, request: Request, *, parent: int | None, seed_offset: int) -> int:
         try:
             request.sampling.validate(self.config.max_stop_ids)
@@ -394,6 +410,8 @@ class Engine:
                 raise RequestError(
                     f"prompt of {len(prompt)} tokens + max_new_tokens {request.sampling.max_new_tokens}"
                     f" exceeds the engine's max_seq_len {self.config.max_seq_len}")
+            self._check_fits_pool(need, f"prompt of {len(prompt)} tokens + max_new_tokens "
+                                        f"{request.sampling.max_new_tokens}")
         except RequestError:
             self._counters["rejected"] += 1
             raise

@@ -1,0 +1,151 @@
+"""Environments, built-in tasks, trajectories and the multi-turn rollout loop (CTB vs request-level)."""
+
+import asyncio
+
+import pytest
+
+from tiderl_jax.agents import tasks as T
+from tiderl_jax.agents.env import LatencyModel, ToolEnvironment, ToolError
+from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
+from tiderl_jax.agents.trajectory import load_trajectories, save_trajectories
+from tiderl_jax.engine.engine import Engine, EngineConfig
+from tiderl_jax.model import chat
+from tiderl_jax.model.config import ModelConfig
+from tiderl_jax.model.decoder import init_decoder
+from tiderl_jax.model.tokenizer import Tokenizer
+
+TOK = Tokenizer.builtin()
+MODEL = init_decoder(ModelConfig(arch="qwen3", vocab_size=384, hidden_size=64, intermediate_size=128,
+                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True), seed=3)
+
+
+def _run_env(task, turns):
+    env = T.make_env(task)
+
+    async def go():
+        await env.reset(task)
+        results = []
+        for text in turns:
+            results.append(await env.step(text))
+        return results
+    return env, asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", ["calculator", "lookup"])
+def test_demonstrations_solve_their_tasks(kind):
+    for i in range(5):
+        task = T.make_task(kind, i)
+        demo = T.demonstration(task)
+        turns = [chat.render([m])[len(f"{chat.TURN_START}assistant\n"):] for m in demo if m.role == "assistant"]
+        env, results = _run_env(task, turns)
+        assert results[-1].done and results[-1].reward == 1.0
+        assert all(not r.done for r in results[:-1])
+        wrong = _run_env(task, turns[:-1] + ["I do not know"])[1][-1]
+        assert wrong.done and wrong.reward == 0.0
+
+
+def test_generators_are_seeded_and_splits_differ():
+    assert T.make_task("calculator", 3) == T.make_task("calculator", 3)
+    assert T.make_task("calculator", 3).prompt != T.make_task("calculator", 3, "heldout").prompt
+    assert T.make_task("lookup", 1, seed=1).prompt != T.make_task("lookup", 1, seed=2).prompt
+    assert T.make_task("lookup", 0, "heldout").is_eval
+    with pytest.raises(ValueError, match="split 'test'"):
+        T.make_task("calculator", 0, "test")
+
+
+def test_calc_tool_is_safe():
+    assert T.safe_eval("(2 + 3) * -4") == -20
+    for bad in ["__import__('os')", "2 ** 100", "open('x')", "1e9", "[1]"]:
+        with pytest.raises(ToolError):
+            T.safe_eval(bad)
+
+
+def test_malformed_and_failing_calls_become_observations():
+    task = T.make_task("calculator", 0)
+    env, results = _run_env(task, [
+        "no tools here",  # nudged: the task needs its tool
+        '<tool_call>{"name": "calc", "arguments": {"expr": }</tool_call>',  # malformed JSON
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',  # unknown tool
+        '<tool_call>{"name": "calc", "arguments": {"expr": "1 +"}}</tool_call>',  # tool refuses
+    ])
+    assert [r.done for r in results] == [False] * 4
+    assert "no tool call found" in results[0].observation
+    assert results[1].info["malformed"] and "not valid JSON" in results[1].observation
+    assert "unknown tool 'nope'" in results[2].observation
+    assert "cannot parse" in results[3].observation
+    assert env.malformed_turns == 1
+
+
+def _engine(num_pages=512):
+    return Engine(MODEL, EngineConfig(page_size=16, num_pages=num_pages, max_seq_len=1024, max_running=16,
+                                      prefill_chunk=256, decode_steps=8))
+
+
+def _rollout(mode, engine, tasks, **kw):
+    runner = RolloutRunner(engine, TOK, RolloutConfig(mode=mode, max_turns=3, max_new_tokens=20,
+                                                      temperature=0.0, max_context=1024, **kw))
+    trajs = asyncio.run(runner.run(tasks, lambda t: T.make_env(t, latency=LatencyModel(0.02, 0.5))))
+    return runner, trajs
+
+
+TASKS = [(T.make_task(k, i), i) for i in range(3) for k in ("calculator", "lookup")]
+
+
+def test_ctb_and_request_level_give_identical_trajectories_and_ctb_prefills_less():
+    ctb_engine, req_engine = _engine(), _engine()
+    r1, ctb = _rollout("ctb", ctb_engine, TASKS)
+    r2, req = _rollout("request", req_engine, TASKS)
+    for a, b in zip(ctb, req):
+        assert a.tokens == b.tokens and a.loss_mask == b.loss_mask and a.end_reason == b.end_reason
+        assert len(a.turns) == 3 and a.end_reason == "max_turns"
+    assert ctb_engine.stats()["prefill_tokens_computed"] < req_engine.stats()["prefill_tokens_computed"]
+    assert r1.metrics["completed"] == len(TASKS) and r1.metrics["turns"] == 3 * len(TASKS)
+    t = ctb[0]
+    for turn in t.turns:  # generated spans are exactly the masked tokens
+        assert all(t.loss_mask[turn.start:turn.end]) and turn.end > turn.start
+    assert sum(t.loss_mask) == sum(turn.end - turn.start for turn in t.turns)
+    assert all(v == 0 for v, m in zip(t.versions, t.loss_mask) if m)
+    assert all(v == -1 for v, m in zip(t.versions, t.loss_mask) if not m)
+
+
+def test_tiny_kv_budget_still_completes_every_task_identically():
+    _, free = _rollout("ctb", _engine(), TASKS)
+    tight = _engine(num_pages=48)  # 47 pages x 16 tokens: one task's final context fits, six do not
+    runner, trajs = _rollout("ctb", tight, TASKS, kv_budget_tokens=600)
+    assert [t.tokens for t in trajs] == [t.tokens for t in free]
+    assert runner.metrics["completed"] == len(TASKS)
+    assert tight.stats()["preemptions"] + tight.stats()["evictions"] > 0
+
+
+def test_environment_failures_end_only_their_task():
+    class Broken(ToolEnvironment):
+        async def step(self, action):
+            raise RuntimeError("sandbox crashed")
+
+    class Slow(ToolEnvironment):
+        async def step(self, action):
+            await asyncio.sleep(5)
+
+    def make_env(task):
+        if task.task_id.endswith("/0") and task.kind == "calculator":
+            return Broken({}, lambda t, a: 0.0)
+        if task.task_id.endswith("/1") and task.kind == "lookup":
+            return Slow({}, lambda t, a: 0.0)
+        return T.make_env(task)
+
+    runner = RolloutRunner(_engine(), TOK, RolloutConfig(max_turns=2, max_new_tokens=12, temperature=0.0,
+                                                         env_timeout_s=0.3))
+    trajs = asyncio.run(runner.run(TASKS, make_env))
+    by_id = {t.task_id: t for t in trajs}
+    assert by_id["calculator/train/0/0"].end_reason == "env_error"
+    assert "sandbox crashed" in by_id["calculator/train/0/0"].failure
+    assert by_id["lookup/train/0/1"].end_reason == "env_timeout"
+    others = [t for t in trajs if t.task_id not in ("calculator/train/0/0", "lookup/train/0/1")]
+    assert all(t.end_reason == "max_turns" and t.failure is None for t in others)
+    assert runner.metrics["failed"] == 2 and runner.metrics["completed"] == len(TASKS) - 2
+
+
+def test_trajectories_round_trip_through_disk(tmp_path):
+    _, trajs = _rollout("ctb", _engine(), TASKS[:2])
+    save_trajectories(trajs, tmp_path / "t.jsonl")
+    assert load_trajectories(tmp_path / "t.jsonl") == trajs
