@@ -492,6 +492,13 @@ class Engine:
                     seq.looked_up = True
                 seq.parent = None
             if not seq.looked_up:
+                # Memory admission (first come, first served): admit only if the pool can hold the
+                # rest of this context plus a page of decode headroom without preempting anyone;
+                # admitting more would make running sequences preempt each other and recompute.
+                ps = self.config.page_size
+                missing = -(-len(seq.tokens) // ps) + 1 - len(seq.pages)
+                if missing > self.pool.num_free and running > 0:
+                    return
                 self._lookup_prefix(seq)
             seq.status = Status.PREFILLING
             running += 1
@@ -535,11 +542,13 @@ class Engine:
         return True
 
     def _preempt_for(self, requester: _Seq) -> bool:
+        # Idle holders of pages (paused, or resumed but not yet admitted) go first; a waiting
+        # sequence that holds pages must be a candidate, or a full pool could deadlock.
+        idle = (Status.PAUSED, Status.WAITING)
         candidates = [
-            PreemptionCandidate(s.id, s.priority, s.arrival, s.status == Status.PAUSED, s.pinned,
-                                len(s.pages))
+            PreemptionCandidate(s.id, s.priority, s.arrival, s.status in idle, s.pinned, len(s.pages))
             for s in self._seqs.values()
-            if s.pages and s.status in (Status.PAUSED, Status.PREFILLING, Status.RUNNING)]
+            if s.pages and s.status in idle + (Status.PREFILLING, Status.RUNNING)]
         victim = choose_victim(candidates, requester.id, requester_priority=requester.priority,
                                requester_arrival=requester.arrival)
         if victim is None:
