@@ -315,3 +315,15 @@ def test_no_recompiles_in_steady_state():
     stats = eng.stats()
     assert stats["decode_tokens"] > 500 and stats["preemptions"] > 0
     assert stats["compilations"] == warm, "traffic ran a program outside the warmed grid"
+
+
+def test_a_sequence_larger_than_the_pool_is_refused_not_stalled():
+    eng = _engine(num_pages=5, max_seq_len=128)  # 4 usable pages of 8 tokens = 32 tokens
+    with pytest.raises(RequestError, match="exceeds the KV pool's 32 tokens"):
+        eng.submit(Request(list(range(30)), SamplingParams(max_new_tokens=8)))
+    h = eng.submit(Request(list(range(20)), SamplingParams(temperature=0.0, max_new_tokens=8), keep_kv=True))
+    eng.run([h])
+    with pytest.raises(RequestError, match="exceeds the KV pool"):
+        eng.resume(h, list(range(10)))
+    eng.evict(h)
+    assert eng.stats()["evictions"] == 1 and eng.stats()["pages_used"] == 0
