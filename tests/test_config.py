@@ -1,8 +1,6 @@
 """Configs: typed model configs, HF config layouts, presets, and clear errors for bad keys and values."""
 
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 

@@ -8,8 +8,6 @@ from conftest import ARCHS, FIXTURES
 from engine_reference import greedy, token_logprobs
 from tiderl_jax.engine.engine import Engine, EngineConfig, Request, Status
 from tiderl_jax.engine.sampling import RequestError, SamplingParams
-from tiderl_jax.model.config import ModelConfig
-from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.hf_io import load_hf_checkpoint
 
 MODEL = load_hf_checkpoint(FIXTURES / "qwen3")

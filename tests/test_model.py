@@ -1,6 +1,5 @@
 """The decoder's two forward modes agree with each other, and packing, ragged batches and sampling work."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -34,7 +34,6 @@ import enum
 import time
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from tiderl_jax.engine.kv_pages import OutOfPages, PagePool, block_key
