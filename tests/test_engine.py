@@ -99,7 +99,7 @@ def test_preempted_while_paused_recomputes_on_resume():
     p = _prompts([30], seed=5)[0]
     h = eng.submit(Request(p, SamplingParams(temperature=0.0, max_new_tokens=4), keep_kv=True))
     eng.run([h])
-    others = _prompts([30, 30], seed=6)
+    others = _prompts([40, 40], seed=6)
     out = eng.generate(others, SamplingParams(temperature=0.0, max_new_tokens=10))  # needs h's pages
     assert eng.stats()["preemptions"] >= 1
     eng.resume(h, [1, 2, 3], sampling=SamplingParams(temperature=0.0, max_new_tokens=5))

@@ -473,6 +473,10 @@ class Engine:
         waiting = sorted((s for s in self._seqs.values() if s.status == Status.WAITING),
                          key=lambda s: (-s.priority, s.arrival))
         ps = self.config.page_size
+        # Pages that admitted-but-unfinished prefills will still take: admission must not count them
+        # as free, or one round admits far more than the pool holds.
+        reserved = sum(-(-len(s.tokens) // ps) - len(s.pages)
+                       for s in self._seqs.values() if s.status == Status.PREFILLING)
         for seq in waiting:
             if running >= self.config.max_running:
                 return
@@ -494,10 +498,10 @@ class Engine:
                 # Memory admission (first come, first served): admit only if the pool can hold the
                 # rest of this context plus a page of decode headroom without preempting anyone;
                 # admitting more would make running sequences preempt each other and recompute.
-                ps = self.config.page_size
                 missing = -(-len(seq.tokens) // ps) + 1 - len(seq.pages)
-                if missing > self.pool.num_free and running > 0:
+                if missing > self.pool.num_free - reserved and running > 0:
                     return
+                reserved += missing
                 self._lookup_prefix(seq)
             seq.status = Status.PREFILLING
             running += 1
