@@ -41,3 +41,10 @@ def test_victims_must_be_outranked_unpinned_and_hold_pages():
     assert choose_victim(cands, 99, requester_priority=0.0, requester_arrival=3) is None
     assert choose_victim(cands, 1, requester_priority=0.0, requester_arrival=0) is None  # never itself
     assert choose_victim(cands + [_c(5, arrival=6)], 99, requester_priority=0.0, requester_arrival=3) == 5
+
+
+def test_memory_admission():
+    from tiderl_jax.policies.preemption import can_admit
+    assert can_admit(5, free_pages=10, reserved_pages=5, num_running=2)
+    assert not can_admit(6, free_pages=10, reserved_pages=5, num_running=2)
+    assert can_admit(60, free_pages=10, reserved_pages=0, num_running=0)  # an idle engine admits

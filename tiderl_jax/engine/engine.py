@@ -40,7 +40,7 @@ from tiderl_jax.engine.kv_pages import OutOfPages, PagePool, block_key
 from tiderl_jax.engine.runner import ModelRunner, bucket, half_pow2_buckets, pow2_buckets
 from tiderl_jax.engine.sampling import RequestError, SamplingParams, stop_matrix
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.policies.preemption import PreemptionCandidate, choose_victim
+from tiderl_jax.policies.preemption import PreemptionCandidate, can_admit, choose_victim
 from tiderl_jax.policies.prefill_budget import PrefillSignals, choose_prefill_budget
 
 
@@ -495,11 +495,8 @@ class Engine:
                     seq.looked_up = True
                 seq.parent = None
             if not seq.looked_up:
-                # Memory admission (first come, first served): admit only if the pool can hold the
-                # rest of this context plus a page of decode headroom without preempting anyone;
-                # admitting more would make running sequences preempt each other and recompute.
                 missing = -(-len(seq.tokens) // ps) + 1 - len(seq.pages)
-                if missing > self.pool.num_free - reserved and running > 0:
+                if not can_admit(missing, self.pool.num_free, reserved, running):
                     return
                 reserved += missing
                 self._lookup_prefix(seq)

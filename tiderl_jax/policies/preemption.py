@@ -44,3 +44,14 @@ def choose_victim(candidates: Sequence[PreemptionCandidate], requester: int, *,
         return None
     best = min(eligible, key=lambda c: (not c.paused, c.priority, -c.arrival))
     return best.seq_id
+
+
+def can_admit(missing_pages: int, free_pages: int, reserved_pages: int, num_running: int) -> bool:
+    """Memory admission of one waiting sequence (first come, first served, as vLLM's can_allocate).
+
+    Admit when the pool can hold the rest of its context plus a page of decode headroom
+    (`missing_pages`) out of the pages not already promised to admitted prefills; an idle engine
+    admits anything that fits the pool at all. Admitting more would make running sequences
+    preempt each other and recompute.
+    """
+    return num_running == 0 or missing_pages <= free_pages - reserved_pages
