@@ -10,16 +10,18 @@ see `tiderl_jax/model/chat.py`). `ToolEnvironment.step` parses the turn: valid c
 (after the environment's latency, which is real waiting time so that scheduling effects are real);
 malformed calls become an error observation the model can read and the turn is counted as
 malformed; a turn without a tool call is the final answer, which the task scores. Tool exceptions
-become error observations too. Nothing the model writes ends the run with an exception.
+become error observations too. Nothing the model writes ends the run with an exception. Tools and
+the score function may be coroutine functions (the `python` task runs its sandbox in a thread).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import math
 import random
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Mapping, Protocol
 
 from tiderl_jax.model import chat
 
@@ -65,7 +67,8 @@ class LatencyModel:
         return self.median_s * math.exp(self.sigma ** 2 / 2) if self.median_s > 0 else 0.0
 
 
-Tool = Callable[[Mapping[str, Any]], str]
+Tool = Callable[[Mapping[str, Any]], str | Awaitable[str]]
+Score = Callable[[Task, str], float | Awaitable[float]]
 
 
 class ToolError(Exception):
@@ -75,7 +78,7 @@ class ToolError(Exception):
 class ToolEnvironment:
     """Runs the task's tools on the model's tool calls and scores its final answer."""
 
-    def __init__(self, tools: Mapping[str, Tool], score: Callable[[Task, str], float], *,
+    def __init__(self, tools: Mapping[str, Tool], score: Score, *,
                  latency: LatencyModel = LatencyModel(), seed: int = 0, require_tool_call: bool = True):
         self.tools = dict(tools)
         self.score = score
@@ -103,8 +106,10 @@ class ToolEnvironment:
                               f"{chat.CALL_OPEN}{{\"name\": ..., \"arguments\": {{...}}}}{chat.CALL_CLOSE} "
                               f"before answering", 0.0, False, {"no_tool_call": True})
         if not parsed.tool_calls:
-            reward = float(self.score(self.task, parsed.content))
-            return StepResult(None, reward, True, {"answer": parsed.content})
+            reward = self.score(self.task, parsed.content)
+            if inspect.isawaitable(reward):
+                reward = await reward
+            return StepResult(None, float(reward), True, {"answer": parsed.content})
         outputs = []
         for call in parsed.tool_calls:
             self.tool_calls += 1
@@ -114,7 +119,10 @@ class ToolEnvironment:
                 outputs.append(f"error: unknown tool {call.name!r}; tools: {sorted(self.tools)}")
                 continue
             try:
-                outputs.append(str(tool(call.arguments)))
+                output = tool(call.arguments)
+                if inspect.isawaitable(output):
+                    output = await output
+                outputs.append(str(output))
             except ToolError as e:
                 outputs.append(f"error: {e}")
             except Exception as e:  # a tool bug must not end the run; the model sees the failure

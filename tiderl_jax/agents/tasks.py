@@ -4,6 +4,11 @@
   (+, -, *, parentheses) safely; reward 1 when the final reply's last integer is the value.
 - `lookup`: two-hop questions over a generated knowledge base ("In which country was X born?");
   the `search` tool returns one entity's facts; reward 1 when the reply names the country.
+- `python`: write a small function `f` (a few seeded templates: sums, words, counting, ...). The
+  `run` tool executes code in the sandbox (`sandbox.py`) and shows its output, so the model tests
+  by printing; the final reply's code (its last ``` block, else the whole reply) is run against
+  hidden test cases and the reward is the fraction it passes. Sandbox violations are error
+  observations (and reward 0 for the answer), counted by kind in `PythonEnvironment.violations`.
 
 Each task kind also gives a demonstration (the ideal turns: tool calls, then the answer) for the
 supervised warm start, and builds its environment with a configurable latency.
@@ -12,11 +17,14 @@ supervised warm start, and builds its environment with a configurable latency.
 from __future__ import annotations
 
 import ast
+import collections
+import json
 import operator
 import random
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from tiderl_jax.agents import sandbox
 from tiderl_jax.agents.env import LatencyModel, Task, ToolEnvironment, ToolError
 from tiderl_jax.model import chat
 
@@ -127,9 +135,145 @@ def _score_name(task: Task, reply: str) -> float:
     return 1.0 if task.answer.lower() in reply.lower() else 0.0
 
 
+# ----------------------------------------------------------------------------------- python
+
+_Args = Callable[[random.Random], list]  # draws one argument list for f
+
+
+def _int_list(rng: random.Random) -> list:
+    return [[rng.randint(-9, 20) for _ in range(rng.randint(0, 7))]]
+
+
+def _words(rng: random.Random) -> list:
+    return [" ".join(_name(rng, rng.randint(1, 2)).lower() for _ in range(rng.randint(1, 4)))]
+
+
+# Each template draws its parameters and returns (what f does, a correct f as source, its arguments).
+def _divisible_sum(rng: random.Random) -> tuple[str, str, _Args]:
+    k = rng.randint(2, 5)
+    return (f"f(xs) that returns the sum of the numbers in xs divisible by {k}",
+            f"def f(xs):\n    return sum(x for x in xs if x % {k} == 0)\n", _int_list)
+
+
+def _reverse_words(rng: random.Random) -> tuple[str, str, _Args]:
+    sep = rng.choice(["-", ",", "+", "_"])
+    return (f"f(s) that returns the words of s in reverse order, joined by {sep!r}",
+            f"def f(s):\n    return {sep!r}.join(reversed(s.split()))\n", _words)
+
+
+def _count_chars(rng: random.Random) -> tuple[str, str, _Args]:
+    chars = "".join(sorted(rng.sample("aeiklmnor", 3)))  # letters the words are made of
+    return (f"f(s) that returns how many characters of s are in {chars!r}",
+            f"def f(s):\n    return sum(c in {chars!r} for c in s)\n", _words)
+
+
+def _running(rng: random.Random) -> tuple[str, str, _Args]:
+    which = rng.choice(["max", "min"])
+    return (f"f(xs) that returns the running {which}imum of xs as a list",
+            f"def f(xs):\n    out = []\n    for x in xs:\n"
+            f"        out.append(x if not out else {which}(out[-1], x))\n    return out\n", _int_list)
+
+
+def _largest(rng: random.Random) -> tuple[str, str, _Args]:
+    k = rng.randint(2, 3)
+    return (f"f(xs) that returns the {k} largest numbers of xs (all if fewer), largest first",
+            f"def f(xs):\n    return sorted(xs, reverse=True)[:{k}]\n", _int_list)
+
+
+def _shift_letters(rng: random.Random) -> tuple[str, str, _Args]:
+    k = rng.randint(1, 5)
+    return (f"f(s) that returns s with each letter moved {k} places on in the alphabet (z wraps to a)",
+            f"def f(s):\n    return ''.join(chr((ord(c) - 97 + {k}) % 26 + 97) if c.isalpha() else c\n"
+            f"                   for c in s)\n", _words)
+
+
+_TEMPLATES = [_divisible_sum, _reverse_words, _count_chars, _running, _largest, _shift_letters]
+_NUM_TESTS = 5  # hidden tests per task, besides the example in the prompt
+_TOOL_OUTPUT_CHARS = 500  # what a `run` may print (it goes into the model's context)
+_SCORE_OUTPUT_CHARS = 20_000  # scoring runs may print more before the results line
+_RESULTS = "__results__ "
+
+# Appended to the answer's code for scoring: calls f on each test's arguments (read from stdin) and
+# prints the results as one JSON line; a test whose call raises gets an error string.
+_DRIVER = f"""
+import json as _json, sys as _sys
+_results = []
+for _args in _json.loads(_sys.stdin.read()):
+    try:
+        _results.append(f(*_args))
+    except Exception as _e:
+        _results.append("error: " + type(_e).__name__)
+print({_RESULTS!r} + _json.dumps(_results, default=repr))
+"""
+_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def _call(args: list) -> str:
+    return f"f({', '.join(map(repr, args))})"
+
+
+def python_task(index: int, split: str = "train", seed: int = 0) -> Task:
+    rng = _rng("python", split, seed, index)
+    does, solution, draw_args = rng.choice(_TEMPLATES)(rng)
+    namespace: dict[str, Any] = {}
+    exec(solution, namespace)  # our own template's f (not model code), for the expected outputs
+    tests = [[args, namespace["f"](*args)] for args in (draw_args(rng) for _ in range(_NUM_TESTS + 1))]
+    tests.sort(key=lambda test: len(repr(test[0])), reverse=True)  # the longest is the best example
+    (example_args, example_out), hidden = tests[0], tests[1:]
+    return Task(f"python/{split}/{seed}/{index}", "python",
+                f"Write a Python function {does}. Example: {_call(example_args)} returns {example_out!r}. "
+                f"Test it with the run tool, then reply with the code.",
+                solution, {"tests": hidden, "example": tests[0]}, is_eval=split == "heldout")
+
+
+def extract_code(reply: str) -> str:
+    """The code of a final reply: its last ``` block, else the whole reply."""
+    blocks = _CODE_BLOCK.findall(reply)
+    return blocks[-1] if blocks else reply
+
+
+class PythonEnvironment(ToolEnvironment):
+    """The `python` task's environment: a sandboxed `run` tool, and the answer scored by hidden tests.
+
+    Both run in `sandbox.run_python_async` (a worker thread), so other environments go on meanwhile.
+    """
+
+    def __init__(self, *, latency: LatencyModel = LatencyModel(), seed: int = 0):
+        super().__init__({"run": self._run}, self._score, latency=latency, seed=seed)
+        self.violations: collections.Counter[str] = collections.Counter()  # by kind, runs and scoring
+
+    async def _run(self, args: Mapping[str, Any]) -> str:
+        code = args.get("code")
+        if not isinstance(code, str) or not code.strip():
+            raise ToolError('run needs {"code": "<python source>"}')
+        result = await sandbox.run_python_async(code, max_output_chars=_TOOL_OUTPUT_CHARS)
+        if result.violation:
+            self.violations[result.violation] += 1
+            raise ToolError(f"sandbox violation: {result.violation}")
+        output = result.stdout.rstrip("\n") or "(no output)"
+        return f"{output}\nstderr:\n{result.stderr}" if result.stderr else output
+
+    async def _score(self, task: Task, reply: str) -> float:
+        tests = task.data["tests"]
+        result = await sandbox.run_python_async(extract_code(reply) + _DRIVER,
+                                                stdin=json.dumps([args for args, _ in tests]),
+                                                max_output_chars=_SCORE_OUTPUT_CHARS)
+        if result.violation:
+            self.violations[result.violation] += 1
+            return 0.0
+        lines = [line for line in result.stdout.splitlines() if line.startswith(_RESULTS)]
+        if not lines:  # the code failed before the driver printed (no f, a syntax error, ...)
+            return 0.0
+        try:
+            outputs = json.loads(lines[-1].removeprefix(_RESULTS))
+        except json.JSONDecodeError:
+            return 0.0
+        return sum(out == expected for out, (_, expected) in zip(outputs, tests)) / len(tests)
+
+
 # ----------------------------------------------------------------------------------- registry
 
-GENERATORS = {"calculator": calculator_task, "lookup": lookup_task}
+GENERATORS = {"calculator": calculator_task, "lookup": lookup_task, "python": python_task}
 
 
 def make_task(kind: str, index: int, split: str = "train", seed: int = 0) -> Task:
@@ -144,6 +288,8 @@ def make_env(task: Task, *, latency: LatencyModel = LatencyModel(), seed: int = 
     if task.kind == "lookup":
         return ToolEnvironment({"search": _search_tool(task.data["kb"])}, _score_name,
                                latency=latency, seed=seed)
+    if task.kind == "python":
+        return PythonEnvironment(latency=latency, seed=seed)
     raise ValueError(f"task kind {task.kind!r} has no environment")
 
 
@@ -159,4 +305,9 @@ def demonstration(task: Task) -> list[chat.Message]:
                  chat.Message("tool", kb[person]),
                  chat.Message("assistant", "", (chat.ToolCall("search", {"query": city}),)),
                  chat.Message("tool", kb[city]), chat.Message("assistant", task.answer)]
+    elif task.kind == "python":  # test the solution on the example, read its output, answer with it
+        args, out = task.data["example"]
+        test = task.answer + f"print({_call(args)})\n"
+        msgs += [chat.Message("assistant", "", (chat.ToolCall("run", {"code": test}),)),
+                 chat.Message("tool", str(out)), chat.Message("assistant", f"```python\n{task.answer}```")]
     return msgs
