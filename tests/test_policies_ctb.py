@@ -1,7 +1,7 @@
 """CTB's decision rules on hand-built signals (MECHANISMS.md §1a)."""
 
 from tiderl_jax.policies.ctb import (CTBWeights, TaskKVSignals, admit_tasks, choose_evictions,
-                                     estimate_footprint, task_priority)
+                                     estimate_footprint, expected_remaining_turns, task_priority)
 
 
 def _t(i, *, ev=False, group=0.0, active=False, ctx=100, wait=0.0):
@@ -22,6 +22,16 @@ def test_footprint_uses_observed_growth_after_the_first_turn():
     assert estimate_footprint(300, 0, 0, initial_growth=128) == 428
     assert estimate_footprint(700, 2, 400) == 900  # grew 200 per turn
     assert estimate_footprint(700, 2, 400, margin_turns=2) == 1100
+
+
+def test_expected_remaining_turns_from_finished_tasks():
+    assert expected_remaining_turns(0, [], max_turns=8) == 8.0  # nothing observed: worst case
+    assert expected_remaining_turns(3, [], max_turns=8) == 5.0
+    # tasks that ran 2, 4 and 6 turns; one that has done 3 is like the 4- and 6-turn ones: 1 or 3 more
+    assert expected_remaining_turns(3, [2, 4, 6], max_turns=8) == 2.0
+    assert expected_remaining_turns(0, [2, 4, 6], max_turns=8) == 4.0
+    assert expected_remaining_turns(6, [2, 4, 6], max_turns=8) == 2.0  # none ran longer: the prior
+    assert expected_remaining_turns(8, [], max_turns=8) == 0.0
 
 
 def test_admission_is_fifo_within_the_budget():

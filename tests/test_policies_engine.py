@@ -35,6 +35,13 @@ def test_victim_order_paused_then_priority_then_latest():
     assert choose_victim(cands, 99, requester_priority=0.0, requester_arrival=0) == 2  # latest arrival
 
 
+def test_paused_go_before_ready_whatever_their_priority():
+    ready = PreemptionCandidate(1, -5.0, 9, True, False, 3, ready=True)  # resumed, awaiting a slot
+    paused = PreemptionCandidate(2, 5.0, 0, True, False, 3)  # waiting on its tool
+    assert choose_victim([ready, paused], 99, requester_priority=0.0, requester_arrival=0) == 2
+    assert choose_victim([ready], 99, requester_priority=0.0, requester_arrival=0) == 1  # still a candidate
+
+
 def test_victims_must_be_outranked_unpinned_and_hold_pages():
     cands = [_c(1, arrival=1), _c(2, priority=5.0, arrival=9), _c(3, arrival=7, pinned=True), _c(4, arrival=8, pages=0)]
     # requester arrived at 3: only 1 arrived earlier (not outranked); 2 has higher priority; 3 pinned; 4 empty

@@ -53,12 +53,17 @@ class RolloutConfig:
     seed: int = 0
     kv_budget_tokens: int | None = None  # CTB admission budget; default: the engine's pool
     initial_growth: int = 128  # CTB footprint growth guess before a task's first turn
+    # CTB footprint horizon: "task" reserves the expected remaining growth of the whole task (from
+    # finished tasks' turn counts; max_turns before any finishes), "turn" only the next turn's.
+    footprint_horizon: str = "task"
     readiness_aware: bool = False
     weights: ctb.CTBWeights = ctb.CTBWeights()
 
     def __post_init__(self):
         if self.mode not in ("ctb", "request"):
             raise ValueError(f"rollout mode {self.mode!r} is not 'ctb' or 'request'")
+        if self.footprint_horizon not in ("task", "turn"):
+            raise ValueError(f"footprint_horizon {self.footprint_horizon!r} is not 'task' or 'turn'")
 
 
 @dataclasses.dataclass
@@ -140,6 +145,7 @@ class RolloutRunner:
         self._states: dict[str, _TaskState] = {}
         self._group_sizes: dict[int, int] = {}
         self._group_done: dict[int, int] = {}
+        self._finished_turns: list[int] = []  # turn counts of tasks that ended (footprint horizon)
 
     # ------------------------------------------------------------------ CTB signals
 
@@ -181,8 +187,7 @@ class RolloutRunner:
         context = chat.encode(self.tok, messages, add_generation_prompt=True).ids
         traj.extend(context, generated=False)
         stop = (self.tok.eos_id,)
-        footprint = ctb.estimate_footprint(len(context), 0, 0, initial_growth=cfg.initial_growth)
-        await admission.acquire(s, footprint)
+        await admission.acquire(s, self._footprint(s, len(context)))
         try:
             for turn in range(cfg.max_turns):
                 if len(traj.tokens) + cfg.max_new_tokens > cfg.max_context:
@@ -232,8 +237,7 @@ class RolloutRunner:
                 traj.extend(obs, generated=False)
                 s.turns_done += 1
                 s.tokens_added = len(traj.tokens) - len(context)
-                admission.update(s, ctb.estimate_footprint(len(traj.tokens), s.turns_done, s.tokens_added,
-                                                           initial_growth=cfg.initial_growth))
+                admission.update(s, self._footprint(s, len(traj.tokens)))
                 s.pending_obs = obs
             else:
                 traj.end_reason = "max_turns"
@@ -242,6 +246,13 @@ class RolloutRunner:
         finally:
             self._finish(driver, s)
             admission.release(s)
+
+    def _footprint(self, s: _TaskState, context_len: int) -> int:
+        cfg = self.config
+        margin = 1.0 if cfg.footprint_horizon == "turn" else max(
+            1.0, ctb.expected_remaining_turns(s.turns_done, self._finished_turns, cfg.max_turns))
+        return ctb.estimate_footprint(context_len, s.turns_done, s.tokens_added,
+                                      initial_growth=cfg.initial_growth, margin_turns=margin)
 
     async def _engine_turn(self, driver, s, traj, turn, sampling) -> SequenceOutput:
         eng = self.engine
@@ -277,6 +288,7 @@ class RolloutRunner:
 
     def _finish(self, driver: _Driver, s: _TaskState):
         s.done = True
+        self._finished_turns.append(s.turns_done + 1)
         self._group_done[s.group] = self._group_done.get(s.group, 0) + 1
         if s.handle is not None:
             h = s.handle
@@ -337,6 +349,7 @@ class _Admission:
     def update(self, s, footprint: int):
         if self.budget is not None and id(s) in self.footprints:
             self.footprints[id(s)] = footprint
+            self._admit()  # an estimate that shrank may let a queued task in
 
     def release(self, s):
         if self.budget is None:

@@ -7,6 +7,8 @@ the new observation tokens. These are its decision rules, as pure functions of o
 
 - `estimate_footprint`: tokens of KV a task will hold: its context now plus the growth of
   `margin_turns` more turns at its mean observed growth per turn (updated after every turn);
+  `expected_remaining_turns` gives the margin that reserves a task's whole remaining growth (from
+  the turn counts of finished tasks), so admitted tasks rarely need evicting later;
 - `admit_tasks`: first come, first served, admit while the footprints fit the budget;
 - `task_priority`: `P = w1*is_eval + w2*group_completion + w3*is_active + w4*context_len`
   (eval first, then tasks whose GRPO group is nearly complete, then tasks running now; context
@@ -46,7 +48,7 @@ def task_priority(s: TaskKVSignals, w: CTBWeights = CTBWeights()) -> float:
 
 
 def estimate_footprint(context_len: int, turns_done: int, tokens_added: int, *,
-                       initial_growth: int = 256, margin_turns: int = 1) -> int:
+                       initial_growth: int = 256, margin_turns: float = 1) -> int:
     """Tokens of KV a task is expected to need soon.
 
     `tokens_added` is how much the context grew over `turns_done` turns; before the first turn the
@@ -54,6 +56,19 @@ def estimate_footprint(context_len: int, turns_done: int, tokens_added: int, *,
     """
     growth = tokens_added / turns_done if turns_done > 0 else initial_growth
     return int(context_len + margin_turns * growth)
+
+
+def expected_remaining_turns(turns_done: int, finished_turns: Sequence[int], max_turns: int) -> float:
+    """Expected further turns of a task that has done `turns_done` and is still running.
+
+    The mean, over finished tasks that ran more than `turns_done` turns, of the turns they still
+    ran; with no such task observed yet, the worst case `max_turns - turns_done` (a prior that
+    errs towards admitting fewer tasks rather than evicting admitted ones).
+    """
+    longer = [n - turns_done for n in finished_turns if n > turns_done]
+    if not longer:
+        return float(max(0, max_turns - turns_done))
+    return min(sum(longer) / len(longer), float(max(0, max_turns - turns_done)))
 
 
 def admit_tasks(queue: Sequence[tuple[int, int]], *, budget_tokens: int, used_tokens: int) -> list[int]:

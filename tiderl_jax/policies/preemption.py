@@ -2,7 +2,8 @@
 
 Rule (ours, in the spirit of vLLM's recompute preemption, ordered for agentic workloads):
 1. pinned sequences are never chosen (a task waiting on a tool that the scheduler protects);
-2. among the rest, idle (paused) sequences go before active ones: they need no pages right now;
+2. among the rest, idle sequences go before active ones: they need no pages right now; paused ones
+   (waiting on a tool) before ready ones (resumed, waiting for a decode slot), which run soon;
 3. then the lowest priority (CTB supplies priorities, MECHANISMS.md §1a);
 4. then the latest arrival (the earliest has waited longest and has the most work invested).
 The requester itself is a candidate of last resort only when `allow_self` (a decode that cannot
@@ -23,6 +24,7 @@ class PreemptionCandidate:
     paused: bool
     pinned: bool
     num_pages: int
+    ready: bool = False  # idle but queued to run again (resumed or preempted, not yet admitted)
 
 
 def choose_victim(candidates: Sequence[PreemptionCandidate], requester: int, *,
@@ -42,7 +44,7 @@ def choose_victim(candidates: Sequence[PreemptionCandidate], requester: int, *,
                 and (c.paused or outranked(c))]
     if not eligible:
         return None
-    best = min(eligible, key=lambda c: (not c.paused, c.priority, -c.arrival))
+    best = min(eligible, key=lambda c: (not c.paused, c.ready, c.priority, -c.arrival))
     return best.seq_id
 
 
