@@ -1,0 +1,172 @@
+"""The trainer: packing, scoring, the accumulated and sharded train step, SFT, bad input."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.model.config import ConfigError, ModelConfig
+from tiderl_jax.model.decoder import init_decoder
+from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model
+from tiderl_jax.rl.batch import pack
+from tiderl_jax.rl.losses import LossConfig
+from tiderl_jax.rl.trainer import Trainer, TrainerConfig, group_advantages, token_logprobs
+
+CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, dtype="float32")
+
+
+def _traj(i, n, reward, group, prompt=5, seed=0):
+    rng = np.random.default_rng(seed * 1000 + i)
+    t = Trajectory(f"t{i}", "calculator", group)
+    t.extend(rng.integers(0, 96, prompt).tolist(), generated=False)
+    gen = n - prompt
+    t.extend(rng.integers(0, 96, gen).tolist(), generated=True, logprobs=(-rng.random(gen) - 3).tolist(),
+             model_logprobs=[0.0] * gen, versions=[0] * gen)
+    t.reward = reward
+    return t
+
+
+TRAJS = [_traj(i, n, r, g) for i, (n, r, g) in enumerate(
+    [(12, 1.0, 0), (9, 0.0, 0), (15, 0.0, 0), (7, 1.0, 1), (11, 0.0, 1), (6, 1.0, 1), (13, 0.5, 2)])]
+
+
+def _config(**kw):
+    base = dict(loss=LossConfig(kl_coef=0.1), learning_rate=1e-2, warmup_steps=0, total_steps=10,
+                row_len=32, micro_rows=4)
+    base.update(kw)
+    return TrainerConfig(**base)
+
+
+def _params(trainer):
+    return [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
+
+
+def test_pack_first_fit_segments_and_drops():
+    long = _traj(99, 40, 1.0, 3)
+    empty = Trajectory("e", "calculator", 4, tokens=[1, 2], loss_mask=[False, False],
+                       logprobs=[0.0, 0.0], model_logprobs=[0.0, 0.0], versions=[-1, -1])
+    p = pack(TRAJS + [long, empty], row_len=32, micro_rows=2)
+    assert [i for i, _ in p.dropped] == [7, 8]
+    assert "40 tokens exceed" in p.dropped[0][1] and "no model-generated" in p.dropped[1][1]
+    assert sorted(p.kept) == list(range(7))
+    assert p.arrays["tokens"].shape[1:] == (2, 32) and p.arrays["tokens"].shape[0] in (1, 2, 4)
+    for j, i in enumerate(p.kept):  # every kept trajectory is found intact at its placement
+        assert p.per_token("tokens", j).tolist() == TRAJS[i].tokens
+        assert p.per_token("positions", j).tolist() == list(range(len(TRAJS[i].tokens)))
+        assert p.per_token("mask", j).tolist() == [float(m) for m in TRAJS[i].loss_mask]
+    assert p.num_tokens == sum(t.num_generated for t in TRAJS)
+
+
+def test_packed_logprobs_equal_each_sequence_alone():
+    model = init_decoder(CFG, seed=1)
+    p = pack(TRAJS, row_len=32, micro_rows=2)
+    a = p.arrays
+    for m in range(a["tokens"].shape[0]):
+        logp, _ = token_logprobs(model, jnp.asarray(a["tokens"][m]), jnp.asarray(a["positions"][m]),
+                                 jnp.asarray(a["segment_ids"][m]), 0.7)
+        a.setdefault("logp", np.zeros_like(a["mask"]))[m] = np.asarray(logp)
+    for j, i in enumerate(p.kept):
+        toks = jnp.asarray([TRAJS[i].tokens])
+        logits, _ = model(toks, jnp.arange(toks.shape[1])[None])
+        ref = jax.nn.log_softmax(logits[0, :-1] / 0.7, axis=-1)[jnp.arange(toks.shape[1] - 1), toks[0, 1:]]
+        got = p.per_token("logp", j)
+        np.testing.assert_allclose(got[1:], np.asarray(ref), atol=1e-5)
+
+
+def test_group_advantages_ragged_groups():
+    adv = group_advantages(LossConfig(advantage_estimator="rloo"), [1.0, 0.0, 0.0, 3.0, 1.0, 5.0],
+                           [0, 0, 0, 7, 7, 9])
+    # group 0: 1 - mean(0, 0) = 1, 0 - 0.5, 0 - 0.5; group 7: 3 - 1, 1 - 3; group 9 alone: 0
+    np.testing.assert_allclose(adv, [1.0, -0.5, -0.5, 2.0, -2.0, 0.0], atol=1e-6)
+
+
+def test_accumulation_over_micro_batches_equals_one_big_batch():
+    one = Trainer(init_decoder(CFG, seed=2), _config(micro_rows=8, row_len=32))
+    many = Trainer(init_decoder(CFG, seed=2), _config(micro_rows=1, row_len=32))
+    m1, m2 = one.rl_step(TRAJS), many.rl_step(TRAJS)
+    assert m1["skipped"] == 0 and m2["skipped"] == 0
+    for k in ("loss", "policy_loss", "kl", "entropy", "grad_norm", "tokens"):
+        assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), k
+    for a, b in zip(_params(one), _params(many)):  # summation order differs: Adam amplifies ~1e-7
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_sharded_step_equals_single_device():
+    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    ref = init_decoder(CFG, seed=4)
+    single = Trainer(init_decoder(CFG, seed=3), _config(), ref_params=nnx.split(ref)[1])
+    sharded_model = shard_model(init_decoder(CFG, seed=3), mesh, DEFAULT_RULES)
+    sharded_ref = shard_model(init_decoder(CFG, seed=4), mesh, DEFAULT_RULES)
+    sharded = Trainer(sharded_model, _config(), mesh=mesh, ref_params=nnx.split(sharded_ref)[1])
+    for _ in range(2):
+        m1, m2 = single.rl_step(TRAJS), sharded.rl_step(TRAJS)
+        assert m1["kl"] > 0 and m1["kl"] == pytest.approx(m2["kl"], rel=1e-4)
+        assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-4, abs=1e-6)
+    for a, b in zip(_params(single), _params(sharded)):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    leaf = jax.tree.leaves(sharded.params)[0]
+    assert len(leaf.sharding.device_set) == 8  # parameters stayed on the train mesh
+
+
+def test_rl_step_changes_params_and_metrics_are_finite():
+    trainer = Trainer(init_decoder(CFG, seed=5), _config())
+    before = _params(trainer)
+    m = trainer.rl_step(TRAJS)
+    assert all(np.isfinite(v) for v in m.values())
+    assert m["tokens"] == sum(t.num_generated for t in TRAJS) and m["sequences"] == len(TRAJS)
+    assert 0.0 <= m["clip_fraction"] <= 1.0 and m["entropy"] > 0
+    assert any(not np.array_equal(a, b) for a, b in zip(before, _params(trainer)))
+
+
+def test_equal_rewards_give_zero_advantage_and_no_update():
+    trainer = Trainer(init_decoder(CFG, seed=6), _config(loss=LossConfig()))
+    same = [_traj(i, 10, 1.0, 0) for i in range(4)]
+    before = _params(trainer)
+    m = trainer.rl_step(same)
+    assert m["policy_loss"] == 0.0 and m["grad_norm"] == 0.0 and m["skipped"] == 0
+    for a, b in zip(before, _params(trainer)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_non_finite_loss_skips_the_update_and_the_run_goes_on(caplog):
+    trainer = Trainer(init_decoder(CFG, seed=7), _config())
+    bad = [_traj(i, 10, r, 0) for i, r in enumerate([1.0, float("nan"), 0.0])]
+    before = _params(trainer)
+    with caplog.at_level(logging.WARNING):
+        m = trainer.rl_step(bad)
+    assert m["skipped"] == 1.0 and trainer.skipped_steps == 1
+    assert "update skipped" in caplog.text
+    for a, b in zip(before, _params(trainer)):
+        np.testing.assert_array_equal(a, b)
+    m = trainer.rl_step(TRAJS)  # the next good batch trains
+    assert m["skipped"] == 0.0 and any(not np.array_equal(a, b) for a, b in zip(before, _params(trainer)))
+
+
+def test_empty_and_overlong_batches_are_reported_not_raised():
+    trainer = Trainer(init_decoder(CFG, seed=8), _config())
+    assert trainer.rl_step([]) == {"dropped": 0.0, "skipped": 1.0}
+    m = trainer.rl_step([_traj(0, 40, 1.0, 0)])
+    assert m == {"dropped": 1.0, "skipped": 1.0}
+
+
+def test_sft_lowers_the_nll_of_its_data():
+    trainer = Trainer(init_decoder(CFG, seed=9), _config(learning_rate=3e-3))
+    p = pack(TRAJS, row_len=32, micro_rows=2)
+    first = trainer.sft_step(p)["nll"]
+    for _ in range(15):
+        last = trainer.sft_step(p)["nll"]
+    assert last < 0.85 * first
+
+
+def test_bad_trainer_configs_are_named():
+    with pytest.raises(ConfigError, match="gae"):
+        TrainerConfig(loss=LossConfig(advantage_estimator="gae"))
+    with pytest.raises(ConfigError, match="aggregation='sequence'"):
+        TrainerConfig(loss=LossConfig(aggregation="sequence"))
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        TrainerConfig(warmup_steps=20, total_steps=10)

@@ -1,0 +1,107 @@
+"""From trajectories to the trainer's packed batch (host side, numpy).
+
+Trajectories are packed into rows of `row_len` tokens, first-fit decreasing, each one a segment
+with its own `segment_ids` value (1, 2, ... within a row; 0 is padding) and positions restarting at
+0, so attention never crosses trajectories. Rows are grouped into micro-batches: every array is
+`[num_micro, micro_rows, row_len]`, the leading axis is what gradient accumulation scans over.
+`num_micro` is rounded up to a power of two and `row_len` is fixed by the config, so a run compiles
+a handful of programs, not one per batch.
+
+Per token: `tokens`, `positions`, `segment_ids`, `mask` (1.0 on the model-generated tokens that are
+trained; logp[t] is the log-probability of token t given the tokens before it, so the mask is the
+trajectory's own loss mask), `behaviour_logp` (from the engine). Scoring adds `proximal_logp` and
+`ref_logp`; `advantages` are filled from sequence advantages by `fill_per_sequence`.
+
+A trajectory longer than `row_len` cannot be trained on without cutting its context: it is left
+out and reported in `dropped` (index, reason), never silently truncated and never an exception
+that ends the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from tiderl_jax.agents.trajectory import Trajectory
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    arrays: dict[str, np.ndarray]  # name -> [num_micro, micro_rows, row_len]
+    placements: list[tuple[int, int, int, int]]  # per kept sequence: (micro, row, start, length)
+    kept: list[int]  # indices (into the input) of the packed sequences, in placement order
+    dropped: list[tuple[int, str]]  # (index, reason) of sequences left out
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.kept)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.arrays["mask"].sum())
+
+    def per_token(self, name: str, index: int) -> np.ndarray:
+        """The slice of array `name` that belongs to the kept sequence number `index`."""
+        m, r, s, n = self.placements[index]
+        return self.arrays[name][m, r, s:s + n]
+
+    def fill_per_sequence(self, name: str, values: Sequence[float]) -> None:
+        """Sets array `name` to each kept sequence's value on its trained tokens (0 elsewhere)."""
+        out = np.zeros_like(self.arrays["mask"])
+        for (m, r, s, n), v in zip(self.placements, values):
+            out[m, r, s:s + n] = v * self.arrays["mask"][m, r, s:s + n]
+        self.arrays[name] = out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pack(sequences: Sequence[Trajectory], *, row_len: int, micro_rows: int,
+         min_micro: int = 1) -> PackedBatch:
+    """Packs trajectories (first-fit decreasing) into `[num_micro, micro_rows, row_len]` arrays."""
+    dropped, order = [], []
+    for i, t in enumerate(sequences):
+        if len(t.tokens) > row_len:
+            dropped.append((i, f"{len(t.tokens)} tokens exceed the trainer's row length {row_len}"))
+        elif not any(t.loss_mask):
+            dropped.append((i, "no model-generated tokens to train on"))
+        else:
+            order.append(i)
+    order.sort(key=lambda i: -len(sequences[i].tokens))
+    rows: list[list[int]] = []  # sequence indices per row
+    used: list[int] = []
+    for i in order:
+        n = len(sequences[i].tokens)
+        for r, u in enumerate(used):
+            if u + n <= row_len:
+                rows[r].append(i)
+                used[r] += n
+                break
+        else:
+            rows.append([i])
+            used.append(n)
+    num_micro = _pow2(max(min_micro, -(-len(rows) // micro_rows)))
+    shape = (num_micro, micro_rows, row_len)
+    arrays = {"tokens": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32),
+              "segment_ids": np.zeros(shape, np.int32), "mask": np.zeros(shape, np.float32),
+              "behaviour_logp": np.zeros(shape, np.float32)}
+    placements, kept = [], []
+    for r, members in enumerate(rows):
+        m, row = divmod(r, micro_rows)
+        start = 0
+        for seg, i in enumerate(members, start=1):
+            t = sequences[i]
+            n = len(t.tokens)
+            sl = (m, row, slice(start, start + n))
+            arrays["tokens"][sl] = t.tokens
+            arrays["positions"][sl] = np.arange(n)
+            arrays["segment_ids"][sl] = seg
+            arrays["mask"][sl] = np.asarray(t.loss_mask, np.float32)
+            arrays["behaviour_logp"][sl] = np.where(t.loss_mask, t.logprobs, 0.0)
+            placements.append((m, row, start, n))
+            kept.append(i)
+            start += n
+    return PackedBatch(arrays, placements, kept, dropped)

@@ -1,0 +1,307 @@
+"""The trainer: scoring, the sharded RL / SFT train step, and the optimizer.
+
+```
+trajectories --pack--> PackedBatch [micro, rows, T] --score(params)--> proximal_logp
+                                                    --score(ref_params)--> ref_logp
+             rewards by GRPO group --advantages--> per-token advantages
+             step: scan over micro-batches (grad accumulation) -> global-norm clip -> AdamW -> params
+```
+
+- **Scoring** (`Trainer.score`): one jitted program computes per-token log-probs of a packed batch
+  for any parameter set of the model family (the current policy = proximal / old log-probs; the
+  reference model = a second parameter set), micro-batch by micro-batch (`lax.map`), sharded like
+  the train step.
+- **Train step**: one jitted program with explicit input and output shardings on the train mesh
+  (parameters and optimizer state on their logical-axis shardings, donated; batch rows over
+  `data x fsdp`). Gradients of the micro-batches are summed in float32 (`lax.scan`); each micro-batch's
+  loss is normalised by the whole step's token and sequence counts, so the sum is exactly the loss of
+  the whole batch. Metrics: every loss term, KL, clip fraction, entropy, gradient norm, tokens.
+- **Bad steps**: a non-finite loss or gradient norm skips the update (parameters and optimizer
+  state stay as they were, inside the same program), `skipped=1` in the metrics, and the trainer
+  counts it and says so in the log; the run goes on.
+- **Log-probs** are of the sampling distribution, `log_softmax(logits / temperature)`, so the
+  engine's behaviour log-probs and the trainer's are comparable (decoupled PPO needs that).
+- **SFT** (`Trainer.sft_step`): the same program with the token-mean negative log-likelihood of the
+  model tokens (the supervised warm start on demonstrations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.model.config import ConfigError
+from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, spec_for
+from tiderl_jax.rl import losses
+from tiderl_jax.rl.advantages import GROUP_ESTIMATORS
+from tiderl_jax.rl.batch import PackedBatch, pack
+
+log = logging.getLogger(__name__)
+
+# Metrics that are already normalised by the whole step's counts: micro-batch values add up.
+_ADDITIVE = ("loss", "policy_loss", "kl", "entropy", "value_loss", "nll", "tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    loss: losses.LossConfig = losses.LossConfig()
+    learning_rate: float = 1e-4
+    warmup_steps: int = 10
+    total_steps: int = 1000  # length of the cosine schedule
+    end_lr_ratio: float = 0.1  # final learning rate / peak
+    weight_decay: float = 0.0  # AdamW, on matrices only (not norms, biases)
+    b1: float = 0.9
+    b2: float = 0.999
+    grad_clip: float = 1.0  # global norm
+    row_len: int = 1024  # packed row length: the longest trajectory trained on
+    micro_rows: int = 8  # rows per micro-batch (gradient accumulation over micro-batches)
+    temperature: float = 1.0  # the rollout temperature (log-probs of the sampling distribution)
+    decoupled: bool = True  # decoupled PPO: weight tokens by pi_prox / pi_behav (truncated)
+
+    def __post_init__(self):
+        problems = []
+        for name in ("learning_rate", "grad_clip", "temperature"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name}={getattr(self, name)} must be > 0")
+        for name in ("row_len", "micro_rows", "total_steps"):
+            if not getattr(self, name) >= 1:
+                problems.append(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0 <= self.warmup_steps < self.total_steps:
+            problems.append(f"warmup_steps={self.warmup_steps} must be in [0, total_steps={self.total_steps})")
+        if self.loss.advantage_estimator == "gae":
+            problems.append("advantage_estimator='gae' needs a value head, which this trainer does not "
+                            "build; use grpo, dr_grpo or rloo")
+        if self.loss.aggregation == "sequence":
+            problems.append("aggregation='sequence' is a per-row mean, which packed rows (several "
+                            "sequences per row) do not have; use 'token' or 'constant'")
+        if problems:
+            raise ConfigError("invalid trainer config: " + "; ".join(problems))
+
+
+def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on a linear-warmup + cosine-decay schedule."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, cfg.warmup_steps, cfg.total_steps,
+        end_value=cfg.learning_rate * cfg.end_lr_ratio)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                                   mask=decay_mask))
+
+
+def token_logprobs(model: Decoder, tokens, positions, segment_ids, temperature: float):
+    """Per-token log-prob of each token given the tokens before it in its segment, and the entropy
+    of that next-token distribution: both `[b, t]`, 0 at each row's first position."""
+    logits, _ = model(tokens, positions, segment_ids=segment_ids)
+    logp_all = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
+    logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
+    return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
+
+
+def _score_program(graphdef, temperature, params, batch):
+    model = nnx.merge(graphdef, params)
+
+    def one(micro):
+        logp, _ = token_logprobs(model, micro["tokens"], micro["positions"], micro["segment_ids"],
+                                 temperature)
+        return jnp.where(micro["segment_ids"] > 0, logp, 0.0)
+    return jax.lax.map(one, {k: batch[k] for k in ("tokens", "positions", "segment_ids")})
+
+
+def _micro_loss(graphdef, cfg: TrainerConfig, kind: str, params, micro, num_tokens, num_sequences):
+    model = nnx.merge(graphdef, params)
+    logp, entropy = token_logprobs(model, micro["tokens"], micro["positions"], micro["segment_ids"],
+                                   cfg.temperature)
+    mask = micro["mask"]
+    if kind == "sft":
+        nll = -jnp.sum(jnp.where(mask > 0, logp, 0.0)) / jnp.maximum(num_tokens, 1)
+        ent = jnp.sum(jnp.where(mask > 0, entropy, 0.0)) / jnp.maximum(num_tokens, 1)
+        return nll, {"loss": nll, "nll": nll, "entropy": ent, "tokens": mask.sum()}
+    batch = {k: micro[k] for k in ("mask", "advantages", "proximal_logp")}
+    if cfg.decoupled:
+        batch["behaviour_logp"] = micro["behaviour_logp"]
+    if "ref_logp" in micro:
+        batch["ref_logp"] = micro["ref_logp"]
+    return losses.total_loss(cfg.loss, batch, logp, entropy=entropy, num_tokens=num_tokens,
+                             num_sequences=num_sequences)
+
+
+def _train_program(graphdef, tx, cfg: TrainerConfig, kind: str, params, opt_state, batch):
+    batch = dict(batch)
+    num_tokens, num_sequences = batch.pop("num_tokens"), batch.pop("num_sequences")
+    grad_fn = jax.value_and_grad(functools.partial(_micro_loss, graphdef, cfg, kind), has_aux=True)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+    def body(acc, micro):
+        (_, metrics), grads = grad_fn(params, micro, num_tokens, num_sequences)
+        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), metrics
+
+    grads, per_micro = jax.lax.scan(body, zeros, batch)
+    weights = per_micro["tokens"] / jnp.maximum(per_micro["tokens"].sum(), 1)
+    metrics = {k: v.sum() if k in _ADDITIVE else (v * weights).sum() for k, v in per_micro.items()}
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+    metrics.update(grad_norm=grad_norm, skipped=(~ok).astype(jnp.float32),
+                   sequences=num_sequences.astype(jnp.float32))
+    return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+
+
+def group_advantages(cfg: losses.LossConfig, rewards: Sequence[float], groups: Sequence[int]) -> np.ndarray:
+    """One advantage per sequence from its reward and GRPO group (groups may be ragged)."""
+    names = sorted(set(groups))
+    index = {g: i for i, g in enumerate(names)}
+    size = max((list(groups).count(g) for g in names), default=1)
+    table = np.zeros((len(names), size), np.float32)
+    valid = np.zeros((len(names), size), bool)
+    slot = [0] * len(names)
+    where = []
+    for r, g in zip(rewards, groups):
+        i = index[g]
+        table[i, slot[i]], valid[i, slot[i]] = r, True
+        where.append((i, slot[i]))
+        slot[i] += 1
+    adv = np.asarray(GROUP_ESTIMATORS[cfg.advantage_estimator](jnp.asarray(table), jnp.asarray(valid), cfg))
+    return np.asarray([adv[i, j] for i, j in where], np.float32)
+
+
+class Trainer:
+    """Owns the train-side parameters and optimizer state of one policy on one mesh."""
+
+    def __init__(self, model: Decoder, config: TrainerConfig = TrainerConfig(), *,
+                 mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES, ref_params=None):
+        self.config = config
+        self.mesh, self.rules = mesh, rules
+        self.graphdef, self.params = nnx.split(model)
+        # The reference model: a second parameter set of the same family; with a KL term and none
+        # given, a frozen copy of the starting policy (the usual choice).
+        if ref_params is None and config.loss.kl_coef > 0:
+            ref_params = jax.tree.map(jnp.copy, self.params)
+        self.ref_params = ref_params
+        self.tx = make_optimizer(config)
+        self.opt_state = jax.jit(self.tx.init)(self.params)
+        if mesh is not None:  # scalars (Adam's count) come out on one device: replicate them
+            rep = NamedSharding(mesh, PartitionSpec())
+            self.opt_state = jax.tree.map(
+                lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+                else jax.device_put(x, rep), self.opt_state)
+        self.step_count = 0
+        self.skipped_steps = 0
+        self._programs: dict[tuple, object] = {}
+
+    def model(self) -> Decoder:
+        """The current policy as a module (for the engine's weight update, evaluation)."""
+        return nnx.merge(self.graphdef, self.params)
+
+    # ------------------------------------------------------------------ shardings
+
+    def _shardings(self, tree):
+        return jax.tree.map(lambda x: x.sharding, tree)
+
+    def _batch_sharding(self, batch: dict):
+        if self.mesh is None:
+            return None
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        return {k: rep if np.ndim(v) == 0 else NamedSharding(
+            self.mesh, spec_for(np.shape(v), (None, "batch", "seq"), self.rules, self.mesh))
+            for k, v in batch.items()}
+
+    def _program(self, key, build):
+        if key not in self._programs:
+            self._programs[key] = build()
+        return self._programs[key]
+
+    def _put(self, batch: dict):
+        shardings = self._batch_sharding(batch)
+        if shardings is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        return {k: jax.device_put(np.asarray(v), shardings[k]) for k, v in batch.items()}
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, packed: PackedBatch, params=None) -> np.ndarray:
+        """Per-token log-probs `[micro, rows, T]` of the packed batch under `params` (default: the
+        current policy; pass `ref_params` for the reference model)."""
+        params = self.params if params is None else params
+        batch = self._put({k: packed.arrays[k] for k in ("tokens", "positions", "segment_ids")})
+
+        def build():
+            fn = functools.partial(_score_program, self.graphdef, self.config.temperature)
+            if self.mesh is None:
+                return jax.jit(fn)
+            return jax.jit(fn, in_shardings=(self._shardings(params), self._batch_sharding(batch)),
+                           out_shardings=self._batch_sharding({"x": packed.arrays["tokens"]})["x"])
+        return np.asarray(self._program(("score", packed.arrays["tokens"].shape), build)(params, batch))
+
+    # ------------------------------------------------------------------ steps
+
+    def _run_step(self, kind: str, arrays: dict, num_sequences: int) -> dict:
+        arrays = dict(arrays, num_tokens=np.float32(arrays["mask"].sum()),
+                      num_sequences=np.float32(num_sequences))
+        batch = self._put(arrays)
+
+        def build():
+            fn = functools.partial(_train_program, self.graphdef, self.tx, self.config, kind)
+            if self.mesh is None:
+                return jax.jit(fn, donate_argnums=(0, 1))
+            ps, os_ = self._shardings(self.params), self._shardings(self.opt_state)
+            rep = NamedSharding(self.mesh, PartitionSpec())
+            return jax.jit(fn, in_shardings=(ps, os_, self._batch_sharding(batch)),
+                           out_shardings=(ps, os_, rep), donate_argnums=(0, 1))
+        key = (kind, tuple(sorted((k, np.shape(v)) for k, v in arrays.items())))
+        self.params, self.opt_state, metrics = self._program(key, build)(self.params, self.opt_state, batch)
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.step_count += 1
+        if metrics["skipped"]:
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite loss (%s) or gradient norm (%s); update skipped "
+                        "(%d skipped so far)", self.step_count, metrics["loss"], metrics["grad_norm"],
+                        self.skipped_steps)
+        return metrics
+
+    def sft_step(self, packed: PackedBatch) -> dict:
+        """One supervised step: token-mean NLL of the model tokens of the packed demonstrations."""
+        arrays = {k: packed.arrays[k] for k in ("tokens", "positions", "segment_ids", "mask")}
+        return self._run_step("sft", arrays, packed.num_sequences)
+
+    def rl_step(self, trajectories: Sequence[Trajectory]) -> dict:
+        """Packs, scores (proximal and, with a reference model, reference log-probs), computes group
+        advantages and takes one optimizer step. Trajectories that cannot be trained on are left out
+        and counted (`dropped`)."""
+        cfg = self.config
+        packed = pack(trajectories, row_len=cfg.row_len, micro_rows=cfg.micro_rows)
+        for i, reason in packed.dropped:
+            log.warning("trajectory %s left out of the step: %s", trajectories[i].task_id, reason)
+        if not packed.kept:
+            return {"dropped": float(len(packed.dropped)), "skipped": 1.0}
+        packed.arrays["proximal_logp"] = self.score(packed)
+        if self.ref_params is not None:
+            packed.arrays["ref_logp"] = self.score(packed, self.ref_params)
+        kept = [trajectories[i] for i in packed.kept]
+        rewards = np.asarray([t.reward for t in kept], np.float32)
+        if cfg.loss.kl_as_reward and cfg.loss.kl_coef > 0 and self.ref_params is not None:
+            for j in range(len(kept)):
+                k = losses.kl_estimate(packed.per_token("proximal_logp", j), packed.per_token("ref_logp", j),
+                                       cfg.loss.kl_estimator, mask=packed.per_token("mask", j))
+                rewards[j] -= cfg.loss.kl_coef * float(jnp.sum(k))
+        packed.fill_per_sequence("advantages", group_advantages(cfg.loss, rewards, [t.group for t in kept]))
+        arrays = {k: v for k, v in packed.arrays.items()}
+        metrics = self._run_step("rl", arrays, packed.num_sequences)
+        metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()))
+        return metrics
