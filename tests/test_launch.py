@@ -30,8 +30,8 @@ def test_unknown_config_key_is_a_named_error():
 def test_bad_values_and_checkpoints_are_named_errors():
     r = _run("--config.model.num_kv_heads=3")
     assert r.returncode == 2 and "must be a multiple of num_kv_heads=3" in r.stderr
-    # The fixture's 256-id vocabulary cannot hold the built-in tokenizer's 264 ids.
+    # The fixture's 256-id vocabulary cannot hold the built-in tokenizer's 265 ids.
     r = _run(f"--config.checkpoint={FIXTURES / 'qwen2'}")
-    assert r.returncode == 2 and "tokenizer has 264 ids but model.vocab_size is 256" in r.stderr
+    assert r.returncode == 2 and "tokenizer has 265 ids but model.vocab_size is 256" in r.stderr
     r = _run("--config.checkpoint=/nonexistent/dir")
     assert r.returncode == 2 and "no config.json" in r.stderr

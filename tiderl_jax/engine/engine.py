@@ -25,6 +25,12 @@ records the version that produced it. In-flight sequences continue on the new we
 (`on_update="continue"`, as AReaL) or are rolled back to the start of their turn and rerun
 (`"abort"`); prefix-cache blocks are keyed by version, so older ones are not reused unless
 `reuse_stale_prefix_cache`.
+
+Images (vision models): a request, or a resume, may add tokens holding images (`vision.ImageSpan`,
+offsets relative to the tokens it adds). The sequence keeps them by absolute position on the host;
+every prefill chunk (first prefill, recompute after preemption, resume) feeds the patches of its
+positions, and prefix-cache keys hash the image content, so only identical images share KV. Decode
+feeds sampled tokens only: a sampled image placeholder id is text (its token embedding).
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ import numpy as np
 from tiderl_jax.engine.kv_pages import OutOfPages, PagePool, block_key
 from tiderl_jax.engine.runner import ModelRunner, bucket, half_pow2_buckets, pow2_buckets
 from tiderl_jax.engine.sampling import RequestError, SamplingParams, stop_matrix
+from tiderl_jax.model import vision
 from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.model.vision import ImageSpan
 from tiderl_jax.policies.preemption import PreemptionCandidate, can_admit, choose_victim
 from tiderl_jax.policies.prefill_budget import PrefillSignals, choose_prefill_budget
 
@@ -77,6 +85,7 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     priority: float = 0.0  # higher is kept longer under memory pressure
     keep_kv: bool = False  # at the end of a turn, pause with KV kept (for resume) instead of finishing
+    images: Sequence[ImageSpan] = ()  # images among the prompt tokens (offsets into `prompt`)
 
 
 class Status(enum.Enum):
@@ -104,6 +113,7 @@ class _Seq:
     num_computed: int = 0  # tokens whose KV is in `pages`
     pages: list[int] = dataclasses.field(default_factory=list)
     block_keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of registered full blocks
+    images: list[ImageSpan] = dataclasses.field(default_factory=list)  # absolute offsets, in order
     turn_start: int = 0  # index of the first token of the current turn's context addition
     turn_generated: int = 0
     num_sampled: int = 0  # all tokens ever sampled (the RNG index)
@@ -129,6 +139,7 @@ class SequenceOutput:
     turn_start: int  # where the current (or last) turn's context began
     ttft_s: float | None
     latency_s: float | None
+    images: tuple[ImageSpan, ...] = ()  # the context's images (offsets into `tokens`)
 
     @property
     def new_tokens(self) -> list[int]:
@@ -186,11 +197,12 @@ class Engine:
         seq.status = Status.PAUSED
 
     def resume(self, handle: int, new_tokens: Sequence[int] = (), *,
-               sampling: SamplingParams | None = None) -> None:
+               sampling: SamplingParams | None = None, images: Sequence[ImageSpan] = ()) -> None:
         """Appends `new_tokens` (e.g. a tool's observation) and starts a new turn.
 
-        Only the tokens whose KV is not cached are prefilled: the new ones (and the last sampled
-        token), unless the sequence was preempted while paused.
+        `images`: the images among `new_tokens` (offsets into `new_tokens`). Only the tokens whose
+        KV is not cached are prefilled: the new ones (and the last sampled token), unless the
+        sequence was preempted while paused.
         """
         seq = self._get(handle)
         if seq.status != Status.PAUSED:
@@ -199,6 +211,7 @@ class Engine:
         sampling = sampling or seq.sampling
         sampling.validate(self.config.max_stop_ids)
         self._check_tokens(new_tokens, what=f"resume tokens of request {handle}", allow_empty=True)
+        self._check_images(new_tokens, images, what=f"resume images of request {handle}")
         total = len(seq.tokens) + len(new_tokens) + sampling.max_new_tokens
         if total > self.config.max_seq_len:
             raise RequestError(
@@ -206,6 +219,7 @@ class Engine:
                 f"max_new_tokens {sampling.max_new_tokens} exceeds max_seq_len {self.config.max_seq_len}")
         self._check_fits_pool(total, f"request {handle}: context + new tokens + max_new_tokens")
         seq.turn_start = len(seq.tokens)
+        seq.images += sorted((im.shifted(len(seq.tokens)) for im in images), key=lambda im: im.offset)
         self._append(seq, new_tokens, generated=False)
         seq.sampling = sampling
         seq.turn_generated = 0
@@ -287,7 +301,8 @@ class Engine:
             model_mask=list(s.model_mask), logp_sample=list(s.logp_sample),
             logp_model=list(s.logp_model), versions=list(s.versions), turn_start=s.turn_start,
             ttft_s=None if s.first_token_time is None else s.first_token_time - s.submit_time,
-            latency_s=None if s.finish_time is None else s.finish_time - s.submit_time)
+            latency_s=None if s.finish_time is None else s.finish_time - s.submit_time,
+            images=tuple(s.images))
 
     def has_work(self) -> bool:
         return any(s.status in (Status.WAITING, Status.PREFILLING, Status.RUNNING)
@@ -327,7 +342,7 @@ class Engine:
                     self.runner.prefill(np.zeros((rows, width), np.int32),
                                         np.zeros((rows, pages), np.int32), z, z,
                                         np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z,
-                                        filtered=False)
+                                        filtered=False, **self._image_inputs([], rows, width))
         return time.perf_counter() - t0
 
     def num_programs(self) -> int:
@@ -392,6 +407,12 @@ class Engine:
         if bad:
             raise RequestError(f"{what} holds token ids {bad[:4]} outside [0, {vocab})")
 
+    def _check_images(self, tokens: Sequence[int], images: Sequence[ImageSpan], *, what: str) -> None:
+        try:
+            vision.check_images(tokens, images, self.model_cfg)
+        except ValueError as e:
+            raise RequestError(f"{what}: {e}") from None
+
     def _check_fits_pool(self, tokens: int, what: str) -> None:
         """A sequence that cannot fit the whole pool would stall the engine: refuse it up front."""
         capacity = (self.pool.num_pages - 1) * self.config.page_size
@@ -404,6 +425,7 @@ class Engine:
             request.sampling.validate(self.config.max_stop_ids)
             prompt = list(request.prompt)
             self._check_tokens(prompt, what="prompt")
+            self._check_images(prompt, request.images, what="prompt images")
             need = len(prompt) + request.sampling.max_new_tokens
             if need > self.config.max_seq_len:
                 raise RequestError(
@@ -418,7 +440,8 @@ class Engine:
         seq = _Seq(id=self._next_id, tokens=[], model_mask=[], logp_sample=[], logp_model=[],
                    versions=[], sampling=sampling, priority=request.priority,
                    keep_kv=request.keep_kv, arrival=self._arrival(), parent=parent,
-                   submit_time=time.perf_counter())
+                   submit_time=time.perf_counter(),
+                   images=sorted(request.images, key=lambda im: im.offset))
         self._append(seq, prompt, generated=False)
         self._seqs[seq.id] = seq
         self._next_id += 1
@@ -454,6 +477,12 @@ class Engine:
         self._drop_kv(seq)
         seq.status = Status.WAITING
 
+    def _block_key(self, seq: _Seq, i: int, parent: bytes | None) -> bytes:
+        """The prefix-cache key of block i of `seq` (its tokens and the images at their positions)."""
+        lo, hi = i * self.config.page_size, (i + 1) * self.config.page_size
+        return block_key(parent, seq.tokens[lo:hi], self._cache_version(),
+                         vision.content_key(seq.images, lo, hi))
+
     def _register_blocks(self, seq: _Seq) -> None:
         """Registers each newly completed full block of `seq` in the prefix cache."""
         if not self.config.enable_prefix_cache:
@@ -462,7 +491,7 @@ class Engine:
         while len(seq.block_keys) < seq.num_computed // ps:
             i = len(seq.block_keys)
             parent = seq.block_keys[-1] if seq.block_keys else None
-            key = block_key(parent, seq.tokens[i * ps:(i + 1) * ps], self._cache_version())
+            key = self._block_key(seq, i, parent)
             self.pool.register(seq.pages[i], key)
             seq.block_keys.append(key)
 
@@ -511,7 +540,7 @@ class Engine:
         if self.config.enable_prefix_cache and start % ps == 0:
             parent = seq.block_keys[-1] if seq.block_keys else None
             for i in range(start // ps, (len(seq.tokens) - 1) // ps):
-                key = block_key(parent, seq.tokens[i * ps:(i + 1) * ps], self._cache_version())
+                key = self._block_key(seq, i, parent)
                 page = self.pool.lookup(key)
                 if page is None:
                     break
@@ -546,7 +575,8 @@ class Engine:
         # sequence that holds pages must be a candidate, or a full pool could deadlock.
         idle = (Status.PAUSED, Status.WAITING)
         candidates = [
-            PreemptionCandidate(s.id, s.priority, s.arrival, s.status in idle, s.pinned, len(s.pages))
+            PreemptionCandidate(s.id, s.priority, s.arrival, s.status in idle, s.pinned, len(s.pages),
+                                ready=s.status == Status.WAITING)
             for s in self._seqs.values()
             if s.pages and s.status in idle + (Status.PREFILLING, Status.RUNNING)]
         victim = choose_victim(candidates, requester.id, requester_priority=requester.priority,
@@ -621,7 +651,8 @@ class Engine:
         temp, top_k, top_p, seeds, index, filtered = self._sampling_arrays(seqs, rows)
         tok, lps, lpm = self.runner.prefill(tokens, self._page_table(seqs, rows, self._prefill_page_buckets),
                                             starts, num_new,
-                                            temp, top_k, top_p, seeds, index, filtered=filtered)
+                                            temp, top_k, top_p, seeds, index, filtered=filtered,
+                                            **self._image_inputs(chunks, rows, width))
         self._counters["prefill_calls"] += 1
         ended = []
         now = time.perf_counter()
@@ -634,6 +665,17 @@ class Engine:
                 if self._accept(s, int(tok[i]), float(lps[i]), float(lpm[i]), now):
                     ended.append(s.id)
         return ended
+
+    def _image_inputs(self, chunks: list[tuple[_Seq, int]], rows: int, width: int) -> dict:
+        """A vision model's prefill inputs for `chunks` (padded to [rows, width]); {} for a text model."""
+        if not self.model_cfg.is_vision:
+            return {}
+        patches = np.zeros((rows, width, self.model_cfg.image_patch_dim), np.float32)
+        patch_index = np.full((rows, width), -1, np.int32)
+        for i, (s, n) in enumerate(chunks):
+            patches[i, :n], patch_index[i, :n] = vision.dense_inputs(
+                s.images, s.num_computed, s.num_computed + n, self.model_cfg.image_patch_dim)
+        return dict(patches=patches, patch_index=patch_index)
 
     def _accept(self, s: _Seq, token: int, lp_sample: float, lp_model: float, now: float) -> bool:
         """Appends one sampled token; ends the turn on a stop id or the budget. True if it ended."""

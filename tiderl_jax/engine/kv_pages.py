@@ -10,8 +10,8 @@ exactly one of three states:
   the free list is empty.
 
 Prefix blocks are identified by a hash chain: block i's key hashes (policy version, block i's
-tokens, block i-1's key), so a block is only reused behind the very same prefix and under the same
-weights. A sequence that waits on a tool keeps its references, so its pages are never evicted while
+tokens and the image content at its positions, block i-1's key), so a block is only reused behind
+the very same prefix (images included) and under the same weights. A sequence that waits on a tool keeps its references, so its pages are never evicted while
 it waits; only preemption (engine.py) takes them away.
 """
 
@@ -26,12 +26,16 @@ import numpy as np
 from tiderl_jax.engine.paged_attention import TRASH_PAGE
 
 
-def block_key(parent: bytes | None, tokens: Sequence[int], version: int) -> bytes:
-    """The prefix-cache key of one full block of tokens behind `parent` (a 16-byte hash chain)."""
+def block_key(parent: bytes | None, tokens: Sequence[int], version: int, images: bytes = b"") -> bytes:
+    """The prefix-cache key of one full block of tokens behind `parent` (a 16-byte hash chain).
+
+    `images`: the block's image content (`vision.content_key`), b"" for a block of text.
+    """
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update(int(version).to_bytes(8, "little", signed=True))
     h.update(np.asarray(tokens, np.int64).tobytes())
+    h.update(images)
     return h.digest()
 
 

@@ -5,7 +5,8 @@ recompiles (`compile_count` lets tests check it):
 
 - `prefill(rows [B], chunk [T], pages [P])`: writes up to T new tokens per row into its pages,
   computes logits only at each row's last real token, and samples a token there (used only when the
-  chunk completes the row's context);
+  chunk completes the row's context); a vision model's prefill also takes the chunk's image inputs
+  (patches [B, T, patch_dim], patch_index [B, T]), a text-only model's program has no such inputs;
 - `decode(rows [S], pages [P])`: up to K decode steps in one call (a `while` loop on device with a
   dynamic trip count), each feeding every live row its last token, writing its KV and sampling the
   next; rows stop on their stop ids or remaining budget. Multi-step decode removes the host round
@@ -59,12 +60,14 @@ def half_pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 
 def _prefill_program(graphdef, params, k_pages, v_pages, tokens, page_table, starts, num_new,
-                     temperature, top_k, top_p, seeds, sample_index, filtered, *, impl):
+                     temperature, top_k, top_p, seeds, sample_index, filtered, patches=None,
+                     patch_index=None, *, impl):
     model = nnx.merge(graphdef, params)
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cache = PagedKV(k_pages, v_pages, page_table, starts, num_new, impl=impl)
-    hidden, cache = model(tokens, positions, cache=cache, num_new=num_new, return_hidden=True)
+    hidden, cache = model(tokens, positions, cache=cache, num_new=num_new, patches=patches,
+                          patch_index=patch_index, return_hidden=True)
     last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
     logits = model.logits(last)[:, 0]
     token, lp_sample, lp_model = sample(logits, temperature, top_k, top_p,
@@ -172,13 +175,17 @@ class ModelRunner:
                                                 page_row, np.int32(length))
 
     def prefill(self, tokens, page_table, starts, num_new, temperature, top_k, top_p, seeds,
-                sample_index, *, filtered: bool):
-        """All arguments are host arrays: tokens [B, T], page_table [B, P], the rest [B]."""
+                sample_index, *, filtered: bool, patches=None, patch_index=None):
+        """All arguments are host arrays: tokens [B, T], page_table [B, P], the rest [B].
+
+        A vision model always gets `patches` [B, T, patch_dim] and `patch_index` [B, T] (-1 off
+        images; see `vision.dense_inputs`), so it has one program per shape bucket, as a text model.
+        """
         key = ("prefill", tokens.shape, page_table.shape)
         self.k_pages, self.v_pages, tok, lps, lpm = self._call(
             key, self._prefill, self.graphdef, self.params, self.k_pages, self.v_pages, tokens,
             page_table, starts, num_new, temperature, top_k, top_p, seeds, sample_index,
-            np.bool_(filtered), impl=self.impl)
+            np.bool_(filtered), patches, patch_index, impl=self.impl)
         return np.asarray(tok), np.asarray(lps), np.asarray(lpm)
 
     def decode(self, tokens, page_table, starts, live, remaining, stop_ids, temperature, top_k,

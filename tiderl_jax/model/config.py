@@ -9,6 +9,10 @@ only in a few switches:
 | llama  | no        | no          | llama3       | untied (8B) / tied (1B, 3B) |
 | qwen2  | yes       | no          | none         | tied (0.5B..3B) |
 | qwen3  | no        | yes         | none         | tied (<= 4B) |
+
+Any of them can also read images (`image_patch_dim > 0`, off by default so every HF config and every
+text config is unchanged): image patches are embedded into the token stream at the positions of an
+image placeholder token (`decoder.PatchEmbed`, `vision.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from typing import Any, Mapping
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# config.json key of a vision model's image fields (not an HF key): an exported vision model reads
+# back here with its image path (hf_io.py saves the patch embedding as extra tensors).
+HF_VISION_KEY = "tiderl_vision"
+VISION_FIELDS = ("image_patch_dim", "max_image_patches", "image_token_id")
 
 
 class ConfigError(ValueError):
@@ -55,6 +63,11 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of parameters
     init_std: float = 0.02
+    # Image input path (0 = text-only). A patch is patch_size x patch_size x channels pixels,
+    # flattened (`vision.patchify`), so image_patch_dim = patch_size**2 * channels.
+    image_patch_dim: int = 0
+    max_image_patches: int = 0  # patches per image (size of the learned patch position embedding)
+    image_token_id: int | None = None  # the placeholder token each patch of an image stands on
 
     def __post_init__(self):
         problems = []
@@ -72,8 +85,31 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {SUPPORTED_DTYPES}")
+        problems += self._vision_problems()
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
+
+    def _vision_problems(self) -> list[str]:
+        problems = []
+        if self.image_patch_dim < 0:
+            return [f"image_patch_dim={self.image_patch_dim} must be >= 0 (0: text-only)"]
+        if self.image_patch_dim == 0:  # text-only: the other image fields must stay off
+            if self.max_image_patches != 0:
+                problems.append(f"max_image_patches={self.max_image_patches} needs image_patch_dim > 0")
+            if self.image_token_id is not None:
+                problems.append(f"image_token_id={self.image_token_id} needs image_patch_dim > 0")
+            return problems
+        if self.max_image_patches <= 0:
+            problems.append(f"max_image_patches={self.max_image_patches} must be positive when "
+                            f"image_patch_dim={self.image_patch_dim}")
+        if self.image_token_id is None or not 0 <= self.image_token_id < self.vocab_size:
+            problems.append(f"image_token_id={self.image_token_id} must be a token id in "
+                            f"[0, vocab_size={self.vocab_size}) when image_patch_dim={self.image_patch_dim}")
+        return problems
+
+    @property
+    def is_vision(self) -> bool:
+        return self.image_patch_dim > 0
 
     @property
     def num_params(self) -> int:
@@ -83,7 +119,8 @@ class ModelConfig:
         attn += 2 * self.head_dim if self.qk_norm else 0
         layer = attn + 3 * e * m + 2 * e
         head = 0 if self.tie_word_embeddings else e * v
-        return v * e + self.num_layers * layer + e + head
+        vision = (self.image_patch_dim + 1 + self.max_image_patches) * e if self.is_vision else 0
+        return v * e + self.num_layers * layer + e + head + vision
 
     # ---------------------------------------------------------------- construction
 
@@ -136,6 +173,10 @@ class ModelConfig:
             raise UnsupportedArchitectureError(f"{source}: hidden_act={act!r} is not supported (silu only)")
         if hf.get("mlp_bias"):
             raise UnsupportedArchitectureError(f"{source}: mlp_bias=true is not supported")
+        vision = dict(hf.get(HF_VISION_KEY) or {})
+        unknown = sorted(set(vision) - set(VISION_FIELDS))
+        if unknown:
+            raise ConfigError(f"{source}: unknown {HF_VISION_KEY} key(s) {unknown}; known: {VISION_FIELDS}")
         rope = dict(hf.get("rope_parameters") or {})
         legacy = hf.get("rope_scaling") or {}
         rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
@@ -177,6 +218,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             dtype=dtype,
             param_dtype=param_dtype or dtype,
+            **vision,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -203,6 +245,8 @@ class ModelConfig:
             out["attention_bias"] = self.attention_bias
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.is_vision:
+            out[HF_VISION_KEY] = {name: getattr(self, name) for name in VISION_FIELDS}
         return out
 
 

@@ -11,9 +11,14 @@ SwiGLU MLP, the block, the model. Two forward modes share every layer:
   `num_new[b] <= T` tokens of row b are real; the rest are padding whose cache entries are
   overwritten by the next call.
 
+A vision model (`cfg.image_patch_dim > 0`) also takes `patches` [b, t, patch_dim] and `patch_index`
+[b, t] in either mode: where `patch_index >= 0` the position is patch `patch_index` of an image and
+its input is the patch embedding (`PatchEmbed`) instead of the token embedding (`vision.py`).
+
 Every parameter carries logical axis names in its `axes` metadata (`embed`, `vocab`, `mlp`,
-`q_heads`, `kv_heads`, `head_dim`, `norm`); `sharding.py` maps them to mesh axes. Parameter layouts
-are ours ([in, out], heads split out); `hf_io.py` converts to and from the HF layout.
+`q_heads`, `kv_heads`, `head_dim`, `norm`, `patch`, `image_patches`); `sharding.py` maps them to
+mesh axes. Parameter layouts are ours ([in, out], heads split out); `hf_io.py` converts to and from
+the HF layout.
 """
 
 from __future__ import annotations
@@ -242,6 +247,31 @@ class MLP(nnx.Module):
         return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
 
 
+class PatchEmbed(nnx.Module):
+    """Image patches -> token-stream embeddings: a linear map of the patch's pixels plus a learned
+    embedding of its index within its image (raster order), as a ViT's patch embedding.
+
+    There is no separate image encoder: the decoder's own layers read the patch embeddings.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, pd, std = cfg.hidden_size, _dtype(cfg.param_dtype), cfg.init_std
+        self.proj = _param(rngs, (cfg.image_patch_dim, e), ("patch", "embed"), std, pd)
+        self.bias = nnx.Param(jnp.zeros((e,), pd), axes=("embed",))
+        self.position = _param(rngs, (cfg.max_image_patches, e), ("image_patches", "embed"), std, pd)
+
+    def __call__(self, patches: jax.Array, patch_index: jax.Array) -> jax.Array:
+        """patches [b, t, patch_dim] (compute dtype), patch_index [b, t] -> [b, t, embed].
+
+        Indices outside [0, max_image_patches) are clipped (the decoder masks the -1 of non-patches).
+        """
+        dt = patches.dtype
+        position = self.position[...]
+        index = jnp.clip(patch_index, 0, position.shape[0] - 1)
+        return (patches @ self.proj[...].astype(dt) + self.bias[...].astype(dt)
+                + jnp.take(position, index, axis=0).astype(dt))
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         pd = _dtype(cfg.param_dtype)
@@ -276,6 +306,8 @@ class Decoder(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                   cfg.init_std, pd)
+        if cfg.is_vision:  # created last: the text parameters equal a text-only model's of the same seed
+            self.patch_embed = PatchEmbed(cfg, rngs)
 
     def __call__(
         self,
@@ -285,14 +317,27 @@ class Decoder(nnx.Module):
         segment_ids: jax.Array | None = None,  # [b, t]; full mode only; equal ids attend
         cache: Cache | None = None,  # KVCache here; the engine's PagedKV
         num_new: jax.Array | None = None,  # [b] real tokens per row (cached mode); default t
+        patches: jax.Array | None = None,  # [b, t, patch_dim] float; vision models only
+        patch_index: jax.Array | None = None,  # [b, t] int: index in its image, -1: not a patch
         return_hidden: bool = False,
     ) -> tuple[jax.Array, Cache | None]:
-        """Returns (logits [b, t, vocab] float32 (or final hidden [b, t, embed]), updated cache)."""
+        """Returns (logits [b, t, vocab] float32 (or final hidden [b, t, embed]), updated cache).
+
+        Without `patches` every position takes its token embedding (a text-only call, and a decode
+        step: generated tokens are text even when one is the image placeholder id).
+        """
         cfg = self.cfg
         dt = _dtype(cfg.dtype)
         b, t = tokens.shape
         constrain = self.activation_sharding
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        if (patches is None) != (patch_index is None):
+            raise ValueError("patches and patch_index go together")
+        if patches is not None:
+            if not cfg.is_vision:
+                raise ValueError("patches given to a text-only model (image_patch_dim=0)")
+            image = self.patch_embed(patches.astype(dt), patch_index)
+            x = jnp.where((patch_index >= 0)[..., None], image, x)
         if constrain is not None:
             x = constrain(x, ("batch", "seq", None))
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a compile-time constant, not state

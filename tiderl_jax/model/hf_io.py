@@ -10,6 +10,13 @@ documented header and use the library for writing.)
 Bad checkpoints fail before any device memory is touched, with every problem named: an unsupported
 architecture, missing tensors, unexpected tensors, or a shape that differs from what config.json
 implies (both shapes given).
+
+A vision model (`image_patch_dim > 0`) has parameters no HF Llama / Qwen layout holds: they are saved
+as three extra tensors, `vision.patch_embed.weight` [embed, patch_dim] (torch Linear layout),
+`vision.patch_embed.bias` [embed] and `vision.position_embedding.weight` [max_image_patches, embed],
+with the image fields in a `tiderl_vision` block of config.json. Loading here restores the whole
+model. To transformers they are an unknown config key and unused weights, so it should load the
+text decoder alone (not tested: the test environment has no transformers).
 """
 
 from __future__ import annotations
@@ -117,6 +124,10 @@ def hf_layouts(cfg: ModelConfig) -> dict[tuple, _Layout]:
             out[p + ("attn", "k_norm", "scale")] = _identity(f"{hp}.self_attn.k_norm.weight")
         for proj in ("gate", "up", "down"):
             out[p + ("mlp", f"{proj}_proj")] = _transposed(f"{hp}.mlp.{proj}_proj.weight")
+    if cfg.is_vision:
+        out[("patch_embed", "proj")] = _transposed("vision.patch_embed.weight")
+        out[("patch_embed", "bias")] = _identity("vision.patch_embed.bias")
+        out[("patch_embed", "position")] = _identity("vision.position_embedding.weight")
     return out
 
 

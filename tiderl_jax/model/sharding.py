@@ -1,7 +1,7 @@
 """Logical-axis sharding: parameter axis names -> mesh axes (`data`, `fsdp`, `tensor`).
 
 Every parameter of the decoder names its axes (`embed`, `vocab`, `mlp`, `q_heads`, `kv_heads`,
-`head_dim`, `norm`); activations and caches use `batch`, `seq`, `cache_seq`. A rule table from the
+`head_dim`, `norm`, and a vision model's `patch`, `image_patches`); activations and caches use `batch`, `seq`, `cache_seq`. A rule table from the
 config maps each logical name to zero, one or several mesh axes. `spec_for` turns one array's names
 into a `PartitionSpec`, dropping a mesh axis where it would not divide the dimension evenly (a tiny
 model's 2 KV heads on a 4-way tensor axis are replicated rather than refused) or where an earlier
@@ -39,6 +39,8 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    ("patch", None),  # flattened pixels of one image patch
+    ("image_patches", None),  # patch index within an image (the patch position embedding)
 )
 
 Rules = Sequence[tuple[str, str | Sequence[str] | None]]

@@ -16,6 +16,9 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from tiderl_jax.model.config import ConfigError
 
+# The placeholder an image patch stands on (`vision.py`): Qwen2.5 / Qwen3 tokenizers carry it too.
+IMAGE_TOKEN = "<|image_pad|>"
+
 # Special tokens of the ChatML markup (the Qwen2.5 / Qwen3 spelling), in id order after the bytes.
 CHAT_SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -26,6 +29,7 @@ CHAT_SPECIAL_TOKENS = (
     "<tool_response>",
     "</tool_response>",
     "<|pad|>",
+    IMAGE_TOKEN,
 )
 
 
