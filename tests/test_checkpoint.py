@@ -1,0 +1,103 @@
+"""Orbax checkpoints: a resumed run equals an uninterrupted one, and nothing of the runtime is lost."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from test_trainer import CFG, TRAJS, _config, _params, _traj
+from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.model.decoder import init_decoder
+from tiderl_jax.model.hf_io import CheckpointError
+from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model
+from tiderl_jax.rl.checkpoint import Checkpointer
+from tiderl_jax.rl.trainer import Trainer
+
+BATCHES = [TRAJS, TRAJS[:4], [_traj(i, 10, float(i % 2), i // 2, seed=5) for i in range(6)], TRAJS[2:]]
+
+
+def _run(trainer, batches):
+    for b in batches:
+        trainer.rl_step(b)
+
+
+def test_two_steps_restart_two_steps_equals_four_straight(tmp_path):
+    straight = Trainer(init_decoder(CFG, seed=1), _config())
+    _run(straight, BATCHES)
+
+    first = Trainer(init_decoder(CFG, seed=1), _config())
+    _run(first, BATCHES[:2])
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    rng = np.random.default_rng(7)
+    rng.random(3)
+    ready = [TRAJS[0], TRAJS[3]]
+    ckpt.save(first.step_count, first.params, first.opt_state,
+              {"step": first.step_count, "rng": rng.bit_generator.state, "cursor": 2,
+               "ready": [t.to_dict() for t in ready], "in_flight": ["calculator/train/0/9"]},
+              ref_params=first.ref_params)
+    ckpt.close()
+    del first
+
+    # a new process would start here: a freshly initialised trainer (other seed) is overwritten
+    resumed = Trainer(init_decoder(CFG, seed=99), _config())
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    params, opt_state, meta, ref = ckpt.restore(resumed.params, resumed.opt_state,
+                                                ref_params_like=resumed.ref_params)
+    resumed.params, resumed.opt_state, resumed.ref_params = params, opt_state, ref
+    resumed.step_count = meta["step"]
+    _run(resumed, BATCHES[meta["cursor"]:])
+    for a, b in zip(_params(straight), _params(resumed)):
+        np.testing.assert_array_equal(a, b)
+    # the runtime state came back whole: RNG stream, ready buffer, in-flight tasks
+    again = np.random.default_rng()
+    again.bit_generator.state = meta["rng"]
+    assert again.random() == rng.random()
+    assert [Trajectory.from_dict(d) for d in meta["ready"]] == ready
+    assert meta["in_flight"] == ["calculator/train/0/9"]
+
+
+def test_keep_last_n_and_latest(tmp_path):
+    trainer = Trainer(init_decoder(CFG, seed=2), _config())
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        trainer.rl_step(TRAJS)
+        ckpt.save(step, trainer.params, trainer.opt_state, {"step": step})
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3] and ckpt.latest_step() == 3
+    _, _, meta = ckpt.restore(trainer.params, trainer.opt_state, step=2)
+    assert meta == {"step": 2}
+    with pytest.raises(CheckpointError, match="no checkpoint of step 1"):
+        ckpt.restore(trainer.params, trainer.opt_state, step=1)
+    ckpt.close()
+
+
+def test_restore_onto_a_mesh_keeps_the_shardings(tmp_path):
+    single = Trainer(init_decoder(CFG, seed=3), _config())
+    single.rl_step(TRAJS)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, single.params, single.opt_state, {"step": 1})
+    ckpt.wait()
+    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    sharded = Trainer(shard_model(init_decoder(CFG, seed=0), mesh, DEFAULT_RULES), _config(), mesh=mesh)
+    params, opt_state, _ = ckpt.restore(sharded.params, sharded.opt_state)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sharded.params)):
+        assert a.sharding == b.sharding
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(single.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ckpt.close()
+
+
+def test_missing_or_mismatched_checkpoints_are_named_errors(tmp_path):
+    trainer = Trainer(init_decoder(CFG, seed=4), _config())
+    empty = Checkpointer(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        empty.restore(trainer.params, trainer.opt_state)
+    empty.close()
+    ckpt = Checkpointer(tmp_path / "other")
+    ckpt.save(1, trainer.params, trainer.opt_state, {"step": 1})
+    ckpt.wait()
+    bigger = Trainer(init_decoder(dataclasses.replace(CFG, hidden_size=64), seed=0), _config())
+    with pytest.raises(CheckpointError, match="cannot restore step 1"):
+        ckpt.restore(bigger.params, bigger.opt_state)
+    ckpt.close()
