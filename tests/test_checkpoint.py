@@ -32,19 +32,17 @@ def test_two_steps_restart_two_steps_equals_four_straight(tmp_path):
     rng = np.random.default_rng(7)
     rng.random(3)
     ready = [TRAJS[0], TRAJS[3]]
-    ckpt.save(first.step_count, first.params, first.opt_state,
+    ckpt.save(first.step_count, dict(params=first.params, opt_state=first.opt_state, ref=first.ref_params),
               {"step": first.step_count, "rng": rng.bit_generator.state, "cursor": 2,
-               "ready": [t.to_dict() for t in ready], "in_flight": ["calculator/train/0/9"]},
-              ref_params=first.ref_params)
+               "ready": [t.to_dict() for t in ready], "in_flight": ["calculator/train/0/9"]})
     ckpt.close()
     del first
 
     # a new process would start here: a freshly initialised trainer (other seed) is overwritten
     resumed = Trainer(init_decoder(CFG, seed=99), _config())
     ckpt = Checkpointer(tmp_path / "ckpt")
-    params, opt_state, meta, ref = ckpt.restore(resumed.params, resumed.opt_state,
-                                                ref_params_like=resumed.ref_params)
-    resumed.params, resumed.opt_state, resumed.ref_params = params, opt_state, ref
+    arrays, meta = ckpt.restore(dict(params=resumed.params, opt_state=resumed.opt_state, ref=resumed.ref_params))
+    resumed.params, resumed.opt_state, resumed.ref_params = arrays["params"], arrays["opt_state"], arrays["ref"]
     resumed.step_count = meta["step"]
     _run(resumed, BATCHES[meta["cursor"]:])
     for a, b in zip(_params(straight), _params(resumed)):
@@ -62,13 +60,13 @@ def test_keep_last_n_and_latest(tmp_path):
     ckpt = Checkpointer(tmp_path, keep=2)
     for step in (1, 2, 3):
         trainer.rl_step(TRAJS)
-        ckpt.save(step, trainer.params, trainer.opt_state, {"step": step})
+        ckpt.save(step, dict(params=trainer.params, opt_state=trainer.opt_state), {"step": step})
     ckpt.wait()
     assert ckpt.all_steps() == [2, 3] and ckpt.latest_step() == 3
-    _, _, meta = ckpt.restore(trainer.params, trainer.opt_state, step=2)
+    _, meta = ckpt.restore(dict(params=trainer.params, opt_state=trainer.opt_state), step=2)
     assert meta == {"step": 2}
     with pytest.raises(CheckpointError, match="no checkpoint of step 1"):
-        ckpt.restore(trainer.params, trainer.opt_state, step=1)
+        ckpt.restore(dict(params=trainer.params), step=1)
     ckpt.close()
 
 
@@ -76,11 +74,12 @@ def test_restore_onto_a_mesh_keeps_the_shardings(tmp_path):
     single = Trainer(init_decoder(CFG, seed=3), _config())
     single.rl_step(TRAJS)
     ckpt = Checkpointer(tmp_path)
-    ckpt.save(1, single.params, single.opt_state, {"step": 1})
+    ckpt.save(1, dict(params=single.params, opt_state=single.opt_state), {"step": 1})
     ckpt.wait()
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
     sharded = Trainer(shard_model(init_decoder(CFG, seed=0), mesh, DEFAULT_RULES), _config(), mesh=mesh)
-    params, opt_state, _ = ckpt.restore(sharded.params, sharded.opt_state)
+    arrays, _ = ckpt.restore(dict(params=sharded.params, opt_state=sharded.opt_state))
+    params = arrays["params"]
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sharded.params)):
         assert a.sharding == b.sharding
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(single.params)):
@@ -92,12 +91,12 @@ def test_missing_or_mismatched_checkpoints_are_named_errors(tmp_path):
     trainer = Trainer(init_decoder(CFG, seed=4), _config())
     empty = Checkpointer(tmp_path / "empty")
     with pytest.raises(CheckpointError, match="no checkpoint in"):
-        empty.restore(trainer.params, trainer.opt_state)
+        empty.restore(dict(params=trainer.params))
     empty.close()
     ckpt = Checkpointer(tmp_path / "other")
-    ckpt.save(1, trainer.params, trainer.opt_state, {"step": 1})
+    ckpt.save(1, dict(params=trainer.params, opt_state=trainer.opt_state), {"step": 1})
     ckpt.wait()
     bigger = Trainer(init_decoder(dataclasses.replace(CFG, hidden_size=64), seed=0), _config())
     with pytest.raises(CheckpointError, match="cannot restore step 1"):
-        ckpt.restore(bigger.params, bigger.opt_state)
+        ckpt.restore(dict(params=bigger.params, opt_state=bigger.opt_state))
     ckpt.close()

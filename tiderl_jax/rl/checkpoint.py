@@ -17,7 +17,7 @@ previous checkpoint as the latest.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import orbax.checkpoint as ocp
@@ -57,38 +57,28 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, params, opt_state, meta: dict[str, Any], *, ref_params=None) -> None:
-        """Starts saving (returns before the arrays are on disk unless async saving is off)."""
-        items = dict(params=ocp.args.StandardSave(_pure(params)),
-                     opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta))
-        if ref_params is not None:
-            items["ref_params"] = ocp.args.StandardSave(_pure(ref_params))
-        self.manager.save(step, args=ocp.args.Composite(**items))
+    def save(self, step: int, arrays: Mapping[str, Any], meta: dict[str, Any]) -> None:
+        """Starts saving `arrays` (name -> pytree of jax arrays, e.g. params, opt_state, ref_params)
+        and `meta` (JSON); returns before the arrays are on disk unless async saving is off."""
+        items = {name: ocp.args.StandardSave(_pure(tree)) for name, tree in arrays.items()}
+        self.manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
 
-    def restore(self, params_like, opt_state_like, step: int | None = None, *, ref_params_like=None):
-        """(params, opt_state, meta) of `step` (default: the latest), placed like `params_like` and
-        `opt_state_like` (same structure, shapes and shardings); with `ref_params_like`,
-        (params, opt_state, meta, ref_params)."""
+    def restore(self, like: Mapping[str, Any], step: int | None = None) -> tuple[dict[str, Any], dict]:
+        """(arrays, meta) of `step` (default: the latest). `like` names the array trees to restore
+        and gives each one's structure, shapes, dtypes and shardings (the live trees they replace)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no checkpoint in {self.directory}")
         if step not in self.all_steps():
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; "
                                   f"steps there: {self.all_steps()}")
-        items = dict(params=ocp.args.StandardRestore(_abstract(_pure(params_like))),
-                     opt_state=ocp.args.StandardRestore(_abstract(opt_state_like)),
-                     meta=ocp.args.JsonRestore())
-        if ref_params_like is not None:
-            items["ref_params"] = ocp.args.StandardRestore(_abstract(_pure(ref_params_like)))
+        items = {name: ocp.args.StandardRestore(_abstract(_pure(tree))) for name, tree in like.items()}
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(**items))
+            out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
         except Exception as e:  # a damaged or mismatched checkpoint: name it, do not crash obscurely
             raise CheckpointError(f"cannot restore step {step} from {self.directory}: "
                                   f"{type(e).__name__}: {e}") from e
-        result = (_like(params_like, out["params"]), out["opt_state"], out["meta"])
-        if ref_params_like is not None:
-            result += (_like(ref_params_like, out["ref_params"]),)
-        return result
+        return {name: _like(tree, out[name]) for name, tree in like.items()}, out["meta"]
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
