@@ -294,6 +294,22 @@ class Engine:
                 if seq.status == Status.PAUSED:
                     self._drop_kv(seq)
 
+    def move_to(self, model: Decoder) -> None:
+        """Continues on `model`'s devices (a rollout mesh that gained or lost a device group).
+
+        Call between steps. The page pools are rebuilt there, so every sequence's KV is dropped (the
+        prefix cache too): running ones go back to waiting and recompute, paused ones recompute on
+        resume. Sequences, their tokens and log-probs are untouched.
+        """
+        for seq in self._seqs.values():
+            seq.pages, seq.block_keys, seq.num_computed, seq.looked_up = [], [], 0, False
+            if seq.status in (Status.PREFILLING, Status.RUNNING):
+                seq.status = Status.WAITING
+        self.runner = ModelRunner(model, num_pages=self.config.num_pages, page_size=self.config.page_size,
+                                  attention_impl=self.config.attention_impl)
+        self.pool = PagePool(self.config.num_pages, self.config.page_size)
+        self._counters["moves"] = self._counters.get("moves", 0) + 1
+
     def get(self, handle: int) -> SequenceOutput:
         s = self._get(handle)
         return SequenceOutput(

@@ -1,0 +1,1 @@
+"""The controller, device pool and meshes, weight sync, metrics."""
