@@ -1,0 +1,148 @@
+"""Run metrics (MECHANISMS.md §9): goodput, per-step time, waiting per device group, KV hit rate,
+staleness, reward; written as TensorBoard event files and JSONL, a log line per step with rates, and
+at the end a summary table and a timeline PNG of what each device group did.
+
+Definitions (one each):
+- goodput: tokens (and samples) of trajectories consumed by optimizer updates per wall second;
+  discarded (over-stale, failed, dropped) work does not count;
+- per-step time: wall time between consecutive optimizer updates;
+- waiting time: device-seconds a lane's devices were idle, split into rollout waiting (the rollout
+  lane had nothing to generate) and trainer waiting (the train lane waited for data or for a sync);
+  a lane's busy time comes from the spans the controller records (`span`), its waiting time is
+  wall time minus busy time, times its device count;
+- KV hit rate: prompt tokens served from cache / all prompt tokens prefilled (the engine's counter);
+- staleness: per consumed token, current policy version minus the version that generated it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import time
+
+log = logging.getLogger(__name__)
+
+LANES = ("rollout", "ref", "train")
+_COLORS = {"generate": "tab:blue", "score": "tab:orange", "train": "tab:green", "sync": "tab:red",
+           "move": "tab:purple", "sft": "tab:olive", "eval": "tab:gray"}
+
+
+class RunMetrics:
+    def __init__(self, logdir: str, *, total_steps: int, devices: dict[str, int] | None = None):
+        from tensorboardX import SummaryWriter  # imported here: only runs that log need it
+
+        os.makedirs(logdir, exist_ok=True)
+        self.logdir = logdir
+        self.total_steps = total_steps
+        self.devices = dict(devices or {})  # lane -> devices it holds (changes on ERS moves)
+        self.writer = SummaryWriter(logdir)
+        self.jsonl = open(os.path.join(logdir, "metrics.jsonl"), "a")
+        self.t0 = time.perf_counter()
+        self.spans: list[tuple[str, str, float, float]] = []  # (lane, kind, start, end) since t0
+        self.busy_device_s = collections.Counter()  # lane -> device-seconds busy
+        self.device_s = collections.Counter()  # lane -> device-seconds held (busy or idle)
+        self._held_since = {lane: 0.0 for lane in self.devices}
+        self.consumed_tokens = 0
+        self.consumed_samples = 0
+        self.staleness = collections.Counter()  # version lag -> tokens
+        self.step_times: list[float] = []
+        self.rewards: list[float] = []
+        self.last_step_end = None
+        self.steps = 0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    @contextlib.contextmanager
+    def span(self, lane: str, kind: str):
+        """Marks `lane` busy with `kind` for the duration of the block."""
+        start = self.now()
+        try:
+            yield
+        finally:
+            end = self.now()
+            self.spans.append((lane, kind, start, end))
+            self.busy_device_s[lane] += (end - start) * self.devices.get(lane, 0)
+
+    def set_devices(self, lane: str, count: int) -> None:
+        """A lane's device count changed (an ERS move): close its held-time interval."""
+        now = self.now()
+        self.device_s[lane] += (now - self._held_since.get(lane, now)) * self.devices.get(lane, 0)
+        self._held_since[lane] = now
+        self.devices[lane] = count
+
+    def consume(self, tokens: int, samples: int, lags: dict[int, int], reward: float) -> None:
+        """An optimizer update consumed `samples` trajectories with `tokens` trained tokens."""
+        self.consumed_tokens += tokens
+        self.consumed_samples += samples
+        self.staleness.update(lags)
+        self.rewards.append(reward)
+
+    def log_step(self, step: int, values: dict) -> None:
+        now = self.now()
+        if self.last_step_end is not None:
+            self.step_times.append(now - self.last_step_end)
+        self.last_step_end = now
+        self.steps = step
+        values = dict(values, goodput_tokens_per_s=self.consumed_tokens / max(now, 1e-9),
+                      goodput_samples_per_s=self.consumed_samples / max(now, 1e-9), wall_s=now)
+        for k, v in values.items():
+            if isinstance(v, (int, float)):
+                self.writer.add_scalar(k, v, step)
+        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self.jsonl.flush()
+        log.info("step %d/%d  %.1fs  reward %.3f  goodput %.0f tok/s  loss %.4f  step time %.1fs", step,
+                 self.total_steps, now, values.get("reward", float("nan")), values["goodput_tokens_per_s"],
+                 values.get("loss", float("nan")), self.step_times[-1] if self.step_times else now)
+
+    def waiting(self) -> dict[str, float]:
+        """Device-seconds each lane was idle so far."""
+        now = self.now()
+        held = {lane: self.device_s[lane] + (now - self._held_since.get(lane, now)) * n
+                for lane, n in self.devices.items()}
+        return {lane: max(0.0, held[lane] - self.busy_device_s[lane]) for lane in held}
+
+    def summary(self) -> dict:
+        wall = self.now()
+        wait = self.waiting()
+        return dict(
+            steps=self.steps, wall_s=wall,
+            goodput_tokens_per_s=self.consumed_tokens / max(wall, 1e-9),
+            goodput_samples_per_s=self.consumed_samples / max(wall, 1e-9),
+            step_time_s=sum(self.step_times) / len(self.step_times) if self.step_times else wall,
+            rollout_wait_s=wait.get("rollout", 0.0),
+            trainer_wait_s=wait.get("train", 0.0) + wait.get("ref", 0.0),
+            staleness={int(k): int(v) for k, v in sorted(self.staleness.items())},
+            mean_reward=sum(self.rewards) / len(self.rewards) if self.rewards else 0.0)
+
+    def plot_timeline(self, path: str) -> str:
+        """A PNG of what each lane did over time (one row per lane, a bar per span)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        lanes = [lane for lane in LANES if any(s[0] == lane for s in self.spans)]
+        fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * max(1, len(lanes))))
+        for row, lane in enumerate(lanes):
+            for ln, kind, start, end in self.spans:
+                if ln == lane:
+                    ax.broken_barh([(start, max(end - start, 1e-3))], (row - 0.4, 0.8),
+                                   color=_COLORS.get(kind, "black"))
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.set_xlabel("seconds")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for k, c in _COLORS.items()
+                   if any(s[1] == k for s in self.spans)]
+        ax.legend(handles, [k for k in _COLORS if any(s[1] == k for s in self.spans)],
+                  loc="upper center", ncol=8, bbox_to_anchor=(0.5, 1.35), frameon=False)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        self.writer.close()
+        self.jsonl.close()
