@@ -1,0 +1,262 @@
+"""The runtime's decision rules on hand-built signals: staleness (§8), RA2P (§1b) and ERS (§1c)."""
+
+import dataclasses
+import math
+
+import pytest
+
+from tiderl_jax.policies import ers, ra2p
+from tiderl_jax.policies.ers import ERSConfig, ERSHistory, ERSSignals, Move, decide
+from tiderl_jax.policies.ra2p import (RA2PSignals, choose_mode, colocated_cost, decoupled_cost,
+                                      estimate_bursts)
+from tiderl_jax.policies.staleness import capacity, is_fresh, staleness_config, version_lag
+
+# ---------------------------------------------------------------- staleness
+
+
+def test_capacity_is_the_smaller_of_concurrency_and_staleness():
+    # version 3, eta 1, batch 4: at most (1 + 3 + 1) * 4 = 20 samples ever started
+    assert capacity(8, running=2, eta=1, version=3, batch_size=4, accepted=12) == 6  # both allow 6
+    assert capacity(8, running=2, eta=1, version=3, batch_size=4, accepted=16) == 2  # staleness binds
+    assert capacity(3, running=2, eta=1, version=3, batch_size=4, accepted=0) == 1  # concurrency binds
+    assert capacity(8, running=4, eta=1, version=3, batch_size=4, accepted=20) == 0  # over: not negative
+    assert capacity(2, running=4, eta=1, version=3, batch_size=4, accepted=0) == 0
+
+
+def test_eta_zero_gives_synchronous_on_policy_batches():
+    batch, version, accepted, running = 4, 0, 0, 0
+    for _ in range(3):
+        started = capacity(100, running, 0, version, batch, accepted)
+        assert started == batch  # exactly this version's batch, however much concurrency is free
+        running += started
+        assert capacity(100, running, 0, version, batch, accepted) == 0
+        accepted, running = accepted + running, 0  # all finish, on the current weights
+        assert capacity(100, running, 0, version, batch, accepted) == 0  # blocked until the update
+        version += 1
+    assert capacity(100, 0, 1, 0, batch, 0) == 2 * batch  # eta 1: one batch ahead
+
+
+def test_acceptance_counts_the_oldest_generated_token():
+    versions = [-1, -1, 3, 3, -1, 4, 5]  # prompt/observation tokens are -1
+    assert version_lag(versions, 5) == 2
+    assert not is_fresh(versions, 5, eta=1)
+    assert is_fresh(versions, 5, eta=2)
+    assert is_fresh(4, 5, eta=1) and not is_fresh(3, 5, eta=1)  # the sample's min version
+    assert is_fresh([5, 5], 5, eta=0)
+    assert version_lag([-1, -1], 5) == 0  # nothing generated: nothing stale
+
+
+def test_a_token_newer_than_the_trainer_is_an_error():
+    with pytest.raises(ValueError, match="current_version=5"):
+        version_lag([4, 6], 5)
+
+
+def test_mode_parameters():
+    assert staleness_config("sync") == staleness_config("sync", 0)
+    assert (staleness_config("sync").eta, staleness_config("sync").overlap) == (0, False)
+    assert (staleness_config("async").eta, staleness_config("async").overlap) == (1, True)
+    assert staleness_config("async", 4).eta == 4
+    assert staleness_config("tiderl", 0).overlap
+    with pytest.raises(ValueError, match="eta=2 with mode 'sync'"):
+        staleness_config("sync", 2)
+    with pytest.raises(ValueError, match="eta=0 with mode 'async'"):
+        staleness_config("async", 0)
+    with pytest.raises(ValueError, match="'fancy'"):
+        staleness_config("fancy")
+    with pytest.raises(ValueError, match="eta=-1"):
+        staleness_config("tiderl", -1)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_concurrent=0), "max_concurrent"), (dict(batch_size=0), "batch_size"),
+    (dict(running=-1), "running"), (dict(eta=-1), "eta"), (dict(version=-1), "version"),
+    (dict(accepted=-1), "accepted"),
+])
+def test_capacity_rejects_bad_input_by_name(kwargs, field):
+    args = dict(max_concurrent=8, running=0, eta=1, version=0, batch_size=4, accepted=0) | kwargs
+    with pytest.raises(ValueError, match=field):
+        capacity(**args)
+
+
+# ---------------------------------------------------------------- RA2P
+
+
+def _ra2p(**kw):
+    base = dict(num_microbatches=4, ready_at_start=4, tprm_s=0.0, t_ref_s=1.0, t_act_s=3.0,
+                t_swap_s=2.0, ref_share=0.25, act_share=0.75, fill_drain_s=1.0)
+    return RA2PSignals(**(base | kw))
+
+
+def test_high_ras_goes_decoupled():
+    # all 4 ready, split 1:3 as the passes are: C_col = 1 burst * 2 + 4 * (1 + 3) = 18,
+    # C_dec = max(4 * 1 / 0.25, 4 * 3 / 0.75) + 1 = 17 (no swaps; only the pipeline fill/drain)
+    d = choose_mode(_ra2p())
+    assert (d.mode, d.cost_colocated, d.cost_decoupled) == ("decoupled", 18.0, 17.0)
+
+
+def test_low_ras_long_tprm_goes_colocated_when_the_split_is_slow():
+    # RAS 1, three late micro-batches 10 s apart; the decoupled split runs each side at half speed.
+    s = _ra2p(ready_at_start=1, tprm_s=10.0, t_ref_s=1.0, t_act_s=2.0, t_swap_s=0.5,
+              ref_share=0.5, act_share=0.5, fill_drain_s=6.0)
+    assert estimate_bursts(s) == 4  # each burst (0.5 + 3 s) ends before the next arrival
+    # C_col = 4 * 0.5 + 4 * 3 + 3 * 10 = 44; C_dec = max(8, 16) + 6 + 3 * (10 - 2) = 46
+    d = choose_mode(s)
+    assert (d.mode, d.cost_colocated, d.cost_decoupled) == ("colocated", 44.0, 46.0)
+
+
+def test_fewer_ready_microbatches_never_favour_colocated():
+    # The §1b formulas: each late micro-batch costs colocated TPRM, decoupled max(0, TPRM - t_act).
+    slow_split = dict(tprm_s=10.0, t_ref_s=1.0, t_act_s=2.0, t_swap_s=0.5, ref_share=0.5,
+                      act_share=0.5, fill_drain_s=6.0)
+    gaps = [colocated_cost(s) - decoupled_cost(s)
+            for s in (_ra2p(ready_at_start=r, **slow_split) for r in range(4, -1, -1))]
+    assert gaps == sorted(gaps)
+    assert choose_mode(_ra2p(ready_at_start=4, **slow_split)).mode == "colocated"
+
+
+def test_a_tie_goes_to_the_stated_default():
+    # C_col = 1 * 1 + 2 * (1 + 1) = 5 = C_dec = max(2, 2) + 3
+    s = _ra2p(num_microbatches=2, ready_at_start=2, t_ref_s=1.0, t_act_s=1.0, t_swap_s=1.0,
+              ref_share=1.0, act_share=1.0, fill_drain_s=3.0)
+    assert choose_mode(s) == ra2p.Decision(ra2p.TIE_MODE, 5.0, 5.0)
+    assert ra2p.TIE_MODE == "colocated"
+
+
+def test_bursts_estimate_aggregates_what_arrived_meanwhile():
+    # ready 2 at 0; late ones at 1, 2, 3, 4. Burst 1 (2 mbs): 0 -> 1 + 2 * 1.5 = 4; it finds the
+    # 4 late ones arrived: burst 2 takes all of them.
+    s = _ra2p(num_microbatches=6, ready_at_start=2, tprm_s=1.0, t_ref_s=0.5, t_act_s=1.0, t_swap_s=1.0)
+    assert estimate_bursts(s) == 2
+    assert estimate_bursts(dataclasses.replace(s, ready_at_start=0, tprm_s=100.0)) == 6
+    assert estimate_bursts(dataclasses.replace(s, ready_at_start=0, tprm_s=0.0)) == 1
+    measured = dataclasses.replace(s, bursts=5)
+    assert colocated_cost(measured) == colocated_cost(s) + 3 * 1.0  # the given count wins
+
+
+def test_ras_above_m_is_clipped_and_m_zero_costs_nothing_but_the_fill():
+    assert choose_mode(_ra2p(ready_at_start=9)) == choose_mode(_ra2p(ready_at_start=4))
+    d = choose_mode(_ra2p(num_microbatches=0, ready_at_start=3))
+    assert (d.mode, d.cost_colocated, d.cost_decoupled) == ("colocated", 0.0, 1.0)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("ref_share", 0.0), ("act_share", 0.0), ("num_microbatches", -1), ("tprm_s", -1.0), ("bursts", -1),
+])
+def test_ra2p_rejects_bad_signals_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        _ra2p(**{field: value})
+
+
+# ---------------------------------------------------------------- ERS
+
+ONE_STEP = ERSConfig(patience=1)
+
+
+def _ers(**kw):
+    """Balanced by default: a full batch ready, no idling, short head-of-line wait, RAS below break-even."""
+    base = dict(ready_volume=8, ideal_batch=8, trainer_idle_s=0.0, hol_latency_s=1.0, step_time_s=10.0,
+                ras=2.0, break_even_ras=3.0, rollout_groups=2, train_groups=2)
+    return ERSSignals(**(base | kw))
+
+
+STARVED = dict(ready_volume=3, trainer_idle_s=4.0)  # generation deficit
+BACKLOG = dict(hol_latency_s=8.0)  # consumption deficit (8 > 0.5 * 10)
+
+
+def test_balanced_signals_do_not_move():
+    move, history = decide(_ers(), ERSHistory(), ONE_STEP)
+    assert move is None and history.generation_streak == history.consumption_streak == 0
+
+
+def test_generation_deficit_moves_a_group_to_rollout_and_colocates():
+    move, history = decide(_ers(**STARVED), ERSHistory(), ONE_STEP)
+    assert move == Move("train", "rollout", "colocated", "generation deficit")
+    assert history == ERSHistory(last_move_to="rollout")
+    # a short buffer alone is no deficit while the trainer did not idle (beyond 5% of the step)
+    assert decide(_ers(ready_volume=3, trainer_idle_s=0.4), ERSHistory(), ONE_STEP)[0] is None
+
+
+@pytest.mark.parametrize("signals", [BACKLOG, dict(ras=3.5)])
+def test_consumption_deficit_moves_a_group_to_train_and_decouples(signals):
+    move, _ = decide(_ers(**signals), ERSHistory(), ONE_STEP)
+    assert move == Move("rollout", "train", "decoupled", "consumption deficit")
+    assert decide(_ers(ras=3.5, break_even_ras=math.inf), ERSHistory(), ONE_STEP)[0] is None
+
+
+def test_generation_deficit_takes_precedence():
+    move, _ = decide(_ers(**STARVED, **BACKLOG), ERSHistory(), ONE_STEP)
+    assert move.to_role == "rollout"
+
+
+def test_a_one_off_deficit_does_not_move_a_persistent_one_does():
+    config = ERSConfig(patience=2)
+    move, history = decide(_ers(**STARVED), ERSHistory(), config)
+    assert move is None and history.generation_streak == 1
+    move, history = decide(_ers(), history, config)  # the deficit went away: the streak restarts
+    assert move is None and history.generation_streak == 0
+    move, history = decide(_ers(**STARVED), history, config)
+    assert move is None
+    move, history = decide(_ers(**STARVED), history, config)
+    assert move is not None and move.to_role == "rollout"
+    after = _ers(**STARVED, rollout_groups=3, train_groups=3)
+    move, history = decide(after, history, config)
+    assert move is None  # after a move the deficit must persist again
+    move, history = decide(after, history, config)
+    assert move is not None and move.to_role == "rollout"
+
+
+def test_no_ping_pong_within_the_cooldown():
+    config = ERSConfig(patience=1, cooldown=3)
+    move, history = decide(_ers(**STARVED), ERSHistory(), config)
+    assert move.to_role == "rollout"
+    after = _ers(**BACKLOG, rollout_groups=3, train_groups=1)
+    for _ in range(3):  # the reverse move is refused for 3 boundaries, though the deficit persists
+        move, history = decide(after, history, config)
+        assert move is None
+    move, history = decide(after, history, config)
+    assert move == Move("rollout", "train", "decoupled", "consumption deficit")
+
+
+def test_the_same_direction_is_not_held_by_the_cooldown():
+    config = ERSConfig(patience=1, cooldown=3)
+    _, history = decide(_ers(**STARVED, rollout_groups=1, train_groups=3), ERSHistory(), config)
+    move, _ = decide(_ers(**STARVED, rollout_groups=2, train_groups=2), history, config)
+    assert move is not None and move.to_role == "rollout"
+
+
+def test_minimums_are_never_crossed():
+    assert decide(_ers(**STARVED, train_groups=1), ERSHistory(), ONE_STEP)[0] is None
+    assert decide(_ers(**BACKLOG, rollout_groups=1), ERSHistory(), ONE_STEP)[0] is None
+    config = ERSConfig(patience=1, min_train_groups=2)
+    assert decide(_ers(**STARVED, train_groups=2), ERSHistory(), config)[0] is None
+    with pytest.raises(ValueError, match="train_groups=1 is below its minimum 2"):
+        decide(_ers(train_groups=1), ERSHistory(), config)
+
+
+@pytest.mark.parametrize("phase", ["cold_start", "eval"])
+def test_cold_start_and_eval_maximise_rollout(phase):
+    config = ERSConfig(patience=3, cooldown=5)
+    history = ERSHistory(last_move_to="train")  # just moved to train: phases override the cooldown
+    groups = dict(rollout_groups=1, train_groups=3)
+    for _ in range(2):  # one group per boundary, with no deficit at all, even against a backlog
+        move, history = decide(_ers(**BACKLOG, **groups, phase=phase), history, config)
+        assert move == Move("train", "rollout", "colocated", phase)
+        groups = dict(rollout_groups=groups["rollout_groups"] + 1, train_groups=groups["train_groups"] - 1)
+    assert decide(_ers(phase=phase, **groups), history, config)[0] is None  # train at its minimum
+
+
+def test_mode_names_match_ra2p():
+    assert ers.RA2P_MODE_AFTER_MOVE_TO == {"rollout": ra2p.COLOCATED, "train": ra2p.DECOUPLED}
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: _ers(phase="warmup"), "phase"),
+    (lambda: _ers(train_groups=-1), "train_groups"),
+    (lambda: _ers(hol_latency_s=-1.0), "hol_latency_s"),
+    (lambda: ERSConfig(patience=0), "patience"),
+    (lambda: ERSConfig(min_rollout_groups=0), "min_rollout_groups"),
+    (lambda: ERSConfig(cooldown=-1), "cooldown"),
+])
+def test_ers_rejects_bad_input_by_name(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
