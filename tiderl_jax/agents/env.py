@@ -2,8 +2,13 @@
 
 An environment is driven by the rollout loop, one task at a time:
 
-    observation = await env.reset(task)            # the user's request (text)
+    observation = await env.reset(task)            # the user's request (text or an Observation)
     result = await env.step(model_turn_text)        # -> StepResult(observation, reward, done, info)
+
+An observation is a str, or an `Observation` (text plus images) when the environment shows the
+model pictures (the `visual` task). Its images are raw pixels `[height, width, channels]` (uint8, or
+float in [0, 1]): the environment does not know the model, so the rollout loop patchifies them with
+the model's patch size (`vision.patchify`) before they enter the token stream.
 
 The model acts through the chat template's tool markup (`<tool_call>{"name", "arguments"}</tool_call>`,
 see `tiderl_jax/model/chat.py`). `ToolEnvironment.step` parses the turn: valid calls run their tools
@@ -11,7 +16,9 @@ see `tiderl_jax/model/chat.py`). `ToolEnvironment.step` parses the turn: valid c
 malformed calls become an error observation the model can read and the turn is counted as
 malformed; a turn without a tool call is the final answer, which the task scores. Tool exceptions
 become error observations too. Nothing the model writes ends the run with an exception. Tools and
-the score function may be coroutine functions (the `python` task runs its sandbox in a thread).
+the score function may be coroutine functions (the `python` task runs its sandbox in a thread). A
+tool may return an `Observation`; the turn's observation then carries the images of all its calls
+(rendered ahead of the text, see `chat.Message`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import inspect
 import math
 import random
 from typing import Any, Awaitable, Callable, Mapping, Protocol
+
+import numpy as np
 
 from tiderl_jax.model import chat
 
@@ -36,16 +45,31 @@ class Task:
     is_eval: bool = False
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: images are arrays
+class Observation:
+    """What the model sees, with pictures: text and raw images [height, width, channels]."""
+
+    text: str
+    images: tuple[np.ndarray, ...] = ()
+
+
+def as_observation(observation: str | Observation | None) -> Observation:
+    """Any observation as an `Observation` (a str is text without images; None is empty)."""
+    if isinstance(observation, Observation):
+        return observation
+    return Observation(observation or "")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    observation: str | None  # what the model sees next (tool output or an error); None when done
+    observation: str | Observation | None  # what the model sees next (tool output, an error); None: done
     reward: float
     done: bool
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Environment(Protocol):
-    async def reset(self, task: Task) -> str: ...
+    async def reset(self, task: Task) -> str | Observation: ...
 
     async def step(self, action: str) -> StepResult: ...
 
@@ -67,7 +91,7 @@ class LatencyModel:
         return self.median_s * math.exp(self.sigma ** 2 / 2) if self.median_s > 0 else 0.0
 
 
-Tool = Callable[[Mapping[str, Any]], str | Awaitable[str]]
+Tool = Callable[[Mapping[str, Any]], str | Observation | Awaitable[str | Observation]]
 Score = Callable[[Task, str], float | Awaitable[float]]
 
 
@@ -89,7 +113,7 @@ class ToolEnvironment:
         self.malformed_turns = 0                    # any tool call is sent back, not scored
         self.tool_calls = 0
 
-    async def reset(self, task: Task) -> str:
+    async def reset(self, task: Task) -> str | Observation:
         self.task = task
         return task.prompt
 
@@ -110,7 +134,7 @@ class ToolEnvironment:
             if inspect.isawaitable(reward):
                 reward = await reward
             return StepResult(None, float(reward), True, {"answer": parsed.content})
-        outputs = []
+        outputs, images = [], []
         for call in parsed.tool_calls:
             self.tool_calls += 1
             await asyncio.sleep(self.latency.sample(self.rng))
@@ -122,9 +146,14 @@ class ToolEnvironment:
                 output = tool(call.arguments)
                 if inspect.isawaitable(output):
                     output = await output
+                if isinstance(output, Observation):
+                    images += output.images
+                    output = output.text
                 outputs.append(str(output))
             except ToolError as e:
                 outputs.append(f"error: {e}")
             except Exception as e:  # a tool bug must not end the run; the model sees the failure
                 outputs.append(f"error: tool {call.name} failed: {type(e).__name__}: {e}")
-        return StepResult("\n".join(outputs), 0.0, False, {"tool_calls": len(parsed.tool_calls)})
+        text = "\n".join(outputs)
+        return StepResult(Observation(text, tuple(images)) if images else text, 0.0, False,
+                          {"tool_calls": len(parsed.tool_calls)})

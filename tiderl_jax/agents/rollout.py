@@ -17,6 +17,13 @@ before each engine step, if free KV falls below what the generating tasks need, 
 evicted (lowest priority, or longest expected wait when `readiness_aware`) and recompute on resume.
 The baseline (`mode="request"`) releases KV at every tool call, as a stock engine does.
 
+Images: an observation may carry raw images (`env.Observation`). The runner patchifies them with
+the model's patch size (square patches: image_patch_dim = patch_size**2 * channels), renders them
+into the chat (`chat.encode` -> `ImageSpan`s) and keeps the spans in the trajectory at absolute
+offsets. CTB passes the new observation's spans to `Engine.resume`; the baseline resubmits the
+whole context with all its spans. A model that cannot take an image (text-only, or another patch
+shape) fails that task with `engine_error`, the reason stated.
+
 Truncation policy: a task whose context plus one more turn's budget would exceed `max_context`
 ends with `end_reason="context_limit"` and reward 0, keeping what it generated.
 Failures: an environment exception or timeout ends the task (`env_error` / `env_timeout`, reward 0,
@@ -27,17 +34,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 import zlib
 from typing import Callable, Sequence
 
-from tiderl_jax.agents.env import Environment, LatencyModel, Task
+import numpy as np
+
+from tiderl_jax.agents.env import Environment, LatencyModel, Observation, Task, as_observation
 from tiderl_jax.agents.tasks import SYSTEM_PROMPT
 from tiderl_jax.agents.trajectory import Trajectory, Turn
 from tiderl_jax.engine.engine import Engine, Request, SequenceOutput
 from tiderl_jax.engine.sampling import RequestError, SamplingParams
-from tiderl_jax.model import chat
+from tiderl_jax.model import chat, vision
 from tiderl_jax.model.tokenizer import Tokenizer
+from tiderl_jax.model.vision import ImageSpan
 from tiderl_jax.policies import ctb
 
 
@@ -79,6 +90,7 @@ class _TaskState:
     wait_started: float = 0.0
     done: bool = False
     pending_obs: list = dataclasses.field(default_factory=list)  # observation tokens to resume with
+    pending_images: list = dataclasses.field(default_factory=list)  # their images (offsets into them)
 
 
 class _Driver:
@@ -180,12 +192,17 @@ class RolloutRunner:
         cfg = self.config
         traj = Trajectory(s.task.task_id, s.task.kind, s.group)
         try:
-            first = await env.reset(s.task)
+            first = as_observation(await env.reset(s.task))
         except Exception as e:
             return self._fail(traj, s, "env_error", f"reset failed: {type(e).__name__}: {e}")
-        messages = [chat.Message("system", SYSTEM_PROMPT), chat.Message("user", first)]
-        context = chat.encode(self.tok, messages, add_generation_prompt=True).ids
-        traj.extend(context, generated=False)
+        try:  # an image the model cannot take, or text that holds image placeholders
+            messages = [chat.Message("system", SYSTEM_PROMPT),
+                        chat.Message("user", first.text, images=self._patches(first))]
+            encoded = chat.encode(self.tok, messages, add_generation_prompt=True)
+        except (RequestError, ValueError) as e:
+            return self._fail(traj, s, "engine_error", str(e))
+        context = encoded.ids
+        traj.extend(context, generated=False, images=encoded.images)
         stop = (self.tok.eos_id,)
         await admission.acquire(s, self._footprint(s, len(context)))
         try:
@@ -232,13 +249,15 @@ class RolloutRunner:
                     traj.end_reason = "answered"
                     break
                 closing = "" if out.finish_reason == "stop" else chat.TURN_END
-                obs = self.tok.encode(closing + "\n" + chat.render([chat.Message("tool", result.observation or "")],
-                                                                   add_generation_prompt=True))
-                traj.extend(obs, generated=False)
+                try:
+                    obs, obs_images = self._encode_observation(closing, as_observation(result.observation))
+                except (RequestError, ValueError) as e:
+                    return self._fail(traj, s, "engine_error", str(e))
+                traj.extend(obs, generated=False, images=obs_images)
                 s.turns_done += 1
                 s.tokens_added = len(traj.tokens) - len(context)
                 admission.update(s, self._footprint(s, len(traj.tokens)))
-                s.pending_obs = obs
+                s.pending_obs, s.pending_images = obs, obs_images
             else:
                 traj.end_reason = "max_turns"
             self.metrics["completed"] += 1
@@ -246,6 +265,33 @@ class RolloutRunner:
         finally:
             self._finish(driver, s)
             admission.release(s)
+
+    def _patches(self, obs: Observation) -> tuple[np.ndarray, ...]:
+        """The observation's raw images as the model's patches; RequestError when it takes none."""
+        cfg = self.engine.model_cfg
+        patches = []
+        for image in obs.images:
+            if not cfg.is_vision:
+                raise RequestError("the observation holds an image but the model is text-only "
+                                   "(image_patch_dim=0): it takes no images")
+            channels = np.shape(image)[-1] if np.ndim(image) == 3 else 0
+            size = math.isqrt(cfg.image_patch_dim // channels) if channels else 0
+            if not channels or size * size * channels != cfg.image_patch_dim:
+                raise RequestError(f"an observation image of shape {np.shape(image)} does not fit the "
+                                   f"model's image_patch_dim {cfg.image_patch_dim} (patch_size**2 * channels)")
+            try:
+                patches.append(vision.patchify(image, size))
+            except ValueError as e:
+                raise RequestError(f"observation image: {e}") from None
+        return tuple(patches)
+
+    def _encode_observation(self, closing: str, obs: Observation) -> tuple[list[int], list[ImageSpan]]:
+        """The tokens that end the model's turn and add the observation as a tool message, with the
+        generation prompt; and the observation's image spans (offsets into those tokens)."""
+        prefix = self.tok.encode(closing + "\n")
+        encoded = chat.encode(self.tok, [chat.Message("tool", obs.text, images=self._patches(obs))],
+                              add_generation_prompt=True)
+        return prefix + encoded.ids, [im.shifted(len(prefix)) for im in encoded.images]
 
     def _footprint(self, s: _TaskState, context_len: int) -> int:
         cfg = self.config
@@ -258,21 +304,21 @@ class RolloutRunner:
         eng = self.engine
         if self.config.mode == "ctb":
             if turn == 0:
-                req = Request(list(traj.tokens), sampling, keep_kv=True,
+                req = Request(list(traj.tokens), sampling, keep_kv=True, images=list(traj.images),
                               priority=ctb.task_priority(self._signals(s), self.config.weights))
 
                 def first():
                     s.handle = eng.submit(req)
                     return s.handle
                 return await driver.command(first, wait_turn=True)
-            obs = s.pending_obs
+            obs, images = s.pending_obs, s.pending_images
 
             def resume():
                 eng.unpin(s.handle)
-                eng.resume(s.handle, obs, sampling=sampling)
+                eng.resume(s.handle, obs, sampling=sampling, images=images)
                 return s.handle
             return await driver.command(resume, wait_turn=True)
-        req = Request(list(traj.tokens), sampling)
+        req = Request(list(traj.tokens), sampling, images=list(traj.images))  # absolute offsets
 
         def submit():
             if s.handle is not None:

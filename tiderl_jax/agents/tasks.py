@@ -9,6 +9,9 @@
   by printing; the final reply's code (its last ``` block, else the whole reply) is run against
   hidden test cases and the reward is the fraction it passes. Sandbox violations are error
   observations (and reward 0 for the answer), counted by kind in `PythonEnvironment.violations`.
+- `visual`: questions about a rendered grid of coloured squares (count them in a quadrant, or
+  locate one); the observations are images: a blurred overview first, then the `zoom` tool's sharp
+  quadrant (`visual.py`). Reward 1 for the right count, or row and column.
 
 Each task kind also gives a demonstration (the ideal turns: tool calls, then the answer) for the
 supervised warm start, and builds its environment with a configurable latency.
@@ -24,7 +27,7 @@ import random
 import re
 from typing import Any, Callable, Mapping
 
-from tiderl_jax.agents import sandbox
+from tiderl_jax.agents import sandbox, visual
 from tiderl_jax.agents.env import LatencyModel, Task, ToolEnvironment, ToolError
 from tiderl_jax.model import chat
 
@@ -271,9 +274,18 @@ class PythonEnvironment(ToolEnvironment):
         return sum(out == expected for out, (_, expected) in zip(outputs, tests)) / len(tests)
 
 
+# ----------------------------------------------------------------------------------- visual
+
+
+def visual_task(index: int, split: str = "train", seed: int = 0) -> Task:
+    return visual.draw_task(_rng("visual", split, seed, index), f"visual/{split}/{seed}/{index}",
+                            is_eval=split == "heldout")
+
+
 # ----------------------------------------------------------------------------------- registry
 
-GENERATORS = {"calculator": calculator_task, "lookup": lookup_task, "python": python_task}
+GENERATORS = {"calculator": calculator_task, "lookup": lookup_task, "python": python_task,
+              "visual": visual_task}
 
 
 def make_task(kind: str, index: int, split: str = "train", seed: int = 0) -> Task:
@@ -290,11 +302,17 @@ def make_env(task: Task, *, latency: LatencyModel = LatencyModel(), seed: int = 
                                latency=latency, seed=seed)
     if task.kind == "python":
         return PythonEnvironment(latency=latency, seed=seed)
+    if task.kind == "visual":
+        return visual.VisualEnvironment(latency=latency, seed=seed)
     raise ValueError(f"task kind {task.kind!r} has no environment")
 
 
-def demonstration(task: Task) -> list[chat.Message]:
-    """The ideal conversation for `task` (system, user, tool-calling turns, answer)."""
+def demonstration(task: Task, *, patch_size: int = 4) -> list[chat.Message]:
+    """The ideal conversation for `task` (system, user, tool-calling turns, answer).
+
+    A `visual` task's messages carry its images as patches of `patch_size` (the model's: image
+    tokens are (height / patch_size) * (width / patch_size)); other kinds have no images.
+    """
     msgs = [chat.Message("system", SYSTEM_PROMPT), chat.Message("user", task.prompt)]
     if task.kind == "calculator":
         msgs += [chat.Message("assistant", "", (chat.ToolCall("calc", {"expr": task.data["expr"]}),)),
@@ -310,4 +328,6 @@ def demonstration(task: Task) -> list[chat.Message]:
         test = task.answer + f"print({_call(args)})\n"
         msgs += [chat.Message("assistant", "", (chat.ToolCall("run", {"code": test}),)),
                  chat.Message("tool", str(out)), chat.Message("assistant", f"```python\n{task.answer}```")]
+    elif task.kind == "visual":  # the user's message carries the overview image
+        msgs = msgs[:1] + visual.demonstration(task, patch_size)
     return msgs

@@ -5,14 +5,25 @@ observation tokens), `logprobs` (behaviour log-probs under the sampling distribu
 `model_logprobs` (untempered) and `versions` (policy version that generated it, -1 elsewhere).
 Per turn: the [start, end) token span the model generated and the seconds spent generating and in
 the environment. Per task: reward, the end reason and, for a failed task, what failed.
+
+Images (a vision model's observations): `images` holds each image's `vision.ImageSpan` with its
+absolute offset in `tokens` (the same spans the engine was given), so a training forward rebuilds
+the model's exact inputs (`vision.dense_inputs`). On disk a span is its offset, its patches' shape
+and their float32 bytes in base64 (exact). `ImageSpan` compares by identity: compare trajectories
+with images through `to_dict()`.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
+
+from tiderl_jax.model.vision import ImageSpan
 
 END_REASONS = ("answered", "max_turns", "context_limit", "env_error", "env_timeout", "engine_error")
 
@@ -37,13 +48,17 @@ class Trajectory:
     model_logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     turns: list[Turn] = dataclasses.field(default_factory=list)
+    images: list[ImageSpan] = dataclasses.field(default_factory=list)  # absolute offsets, in order
     reward: float = 0.0
     end_reason: str = ""
     failure: str | None = None  # for failed tasks: what failed, for the log and the metrics
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def extend(self, tokens, *, generated: bool, logprobs=None, model_logprobs=None, versions=None):
+    def extend(self, tokens, *, generated: bool, logprobs=None, model_logprobs=None, versions=None,
+               images: Sequence[ImageSpan] = ()):
+        """Appends tokens; `images` are the images among them (offsets into `tokens`)."""
         n = len(tokens)
+        self.images.extend(im.shifted(len(self.tokens)) for im in images)
         self.tokens.extend(int(t) for t in tokens)
         self.loss_mask.extend([generated] * n)
         self.logprobs.extend(list(logprobs) if generated else [0.0] * n)
@@ -55,12 +70,18 @@ class Trajectory:
         return sum(self.loss_mask)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, images=[]))
+        d["images"] = [{"offset": im.offset, "shape": list(im.patches.shape),
+                        "float32": base64.b64encode(im.patches.astype("<f4").tobytes()).decode("ascii")}
+                       for im in self.images]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Trajectory":
         d = dict(d)
         d["turns"] = [Turn(**t) for t in d.get("turns", [])]
+        d["images"] = [ImageSpan(im["offset"], np.frombuffer(base64.b64decode(im["float32"]), "<f4")
+                                 .reshape(im["shape"])) for im in d.get("images", [])]
         return cls(**d)
 
 

@@ -12,6 +12,13 @@ trained; logp[t] is the log-probability of token t given the tokens before it, s
 trajectory's own loss mask), `behaviour_logp` (from the engine). Scoring adds `proximal_logp` and
 `ref_logp`; `advantages` are filled from sequence advantages by `fill_per_sequence`.
 
+Images: when some packed trajectory holds images (a vision model's rollouts), two more arrays carry
+them, `patches [num_micro, micro_rows, row_len, patch_dim]` (float32, zeros off images) and
+`patch_index [num_micro, micro_rows, row_len]` (each patch's index in its image, -1 elsewhere), as
+`vision.dense_inputs` builds them; `pack` needs the model's `patch_dim` for that. Batches without
+images have neither array. A trajectory whose images do not match `patch_dim` (or any image with
+`patch_dim=0`, a text-only model) is left out and reported like an overlong one.
+
 A trajectory longer than `row_len` cannot be trained on without cutting its context: it is left
 out and reported in `dropped` (index, reason), never silently truncated and never an exception
 that ends the run.
@@ -25,6 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.model import vision
 
 
 @dataclasses.dataclass
@@ -60,14 +68,20 @@ def _pow2(n: int) -> int:
 
 
 def pack(sequences: Sequence[Trajectory], *, row_len: int, micro_rows: int,
-         min_micro: int = 1) -> PackedBatch:
-    """Packs trajectories (first-fit decreasing) into `[num_micro, micro_rows, row_len]` arrays."""
+         min_micro: int = 1, patch_dim: int = 0) -> PackedBatch:
+    """Packs trajectories (first-fit decreasing) into `[num_micro, micro_rows, row_len]` arrays.
+
+    `patch_dim`: the model's `image_patch_dim` (0: text-only), for trajectories with images."""
     dropped, order = [], []
     for i, t in enumerate(sequences):
+        dims = {im.patches.shape[1] for im in t.images}
         if len(t.tokens) > row_len:
             dropped.append((i, f"{len(t.tokens)} tokens exceed the trainer's row length {row_len}"))
         elif not any(t.loss_mask):
             dropped.append((i, "no model-generated tokens to train on"))
+        elif dims - {patch_dim}:
+            dropped.append((i, f"images with patches of {sorted(dims)} values do not fit the model's "
+                               f"patch_dim {patch_dim}"))
         else:
             order.append(i)
     order.sort(key=lambda i: -len(sequences[i].tokens))
@@ -88,6 +102,9 @@ def pack(sequences: Sequence[Trajectory], *, row_len: int, micro_rows: int,
     arrays = {"tokens": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32),
               "segment_ids": np.zeros(shape, np.int32), "mask": np.zeros(shape, np.float32),
               "behaviour_logp": np.zeros(shape, np.float32)}
+    if any(sequences[i].images for i in order):
+        arrays["patches"] = np.zeros(shape + (patch_dim,), np.float32)
+        arrays["patch_index"] = np.full(shape, -1, np.int32)
     placements, kept = [], []
     for r, members in enumerate(rows):
         m, row = divmod(r, micro_rows)
@@ -101,6 +118,9 @@ def pack(sequences: Sequence[Trajectory], *, row_len: int, micro_rows: int,
             arrays["segment_ids"][sl] = seg
             arrays["mask"][sl] = np.asarray(t.loss_mask, np.float32)
             arrays["behaviour_logp"][sl] = np.where(t.loss_mask, t.logprobs, 0.0)
+            if t.images:
+                arrays["patches"][sl], arrays["patch_index"][sl] = vision.dense_inputs(
+                    t.images, 0, n, patch_dim)
             placements.append((m, row, start, n))
             kept.append(i)
             start += n

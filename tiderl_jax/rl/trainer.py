@@ -23,6 +23,8 @@ trajectories --pack--> PackedBatch [micro, rows, T] --score(params)--> proximal_
   engine's behaviour log-probs and the trainer's are comparable (decoupled PPO needs that).
 - **SFT** (`Trainer.sft_step`): the same program with the token-mean negative log-likelihood of the
   model tokens (the supervised warm start on demonstrations).
+- **Images**: a packed batch of a vision model's trajectories also holds `patches` and `patch_index`
+  (`batch.pack(patch_dim=)`); scoring and both steps then feed them to the model with the tokens.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 
 # Metrics that are already normalised by the whole step's counts: micro-batch values add up.
 _ADDITIVE = ("loss", "policy_loss", "kl", "entropy", "value_loss", "nll", "tokens")
+_INPUTS = ("tokens", "positions", "segment_ids", "patches", "patch_index")  # the image ones: if present
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +103,12 @@ def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
                                    mask=decay_mask))
 
 
-def token_logprobs(model: Decoder, tokens, positions, segment_ids, temperature: float):
+def token_logprobs(model: Decoder, tokens, positions, segment_ids, temperature: float,
+                   patches=None, patch_index=None):
     """Per-token log-prob of each token given the tokens before it in its segment, and the entropy
-    of that next-token distribution: both `[b, t]`, 0 at each row's first position."""
-    logits, _ = model(tokens, positions, segment_ids=segment_ids)
+    of that next-token distribution: both `[b, t]`, 0 at each row's first position. A vision model
+    also takes the rows' images (`patches [b, t, patch_dim]`, `patch_index [b, t]`)."""
+    logits, _ = model(tokens, positions, segment_ids=segment_ids, patches=patches, patch_index=patch_index)
     logp_all = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
     logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
@@ -116,15 +121,15 @@ def _score_program(graphdef, temperature, params, batch):
 
     def one(micro):
         logp, _ = token_logprobs(model, micro["tokens"], micro["positions"], micro["segment_ids"],
-                                 temperature)
+                                 temperature, micro.get("patches"), micro.get("patch_index"))
         return jnp.where(micro["segment_ids"] > 0, logp, 0.0)
-    return jax.lax.map(one, {k: batch[k] for k in ("tokens", "positions", "segment_ids")})
+    return jax.lax.map(one, {k: batch[k] for k in _INPUTS if k in batch})
 
 
 def _micro_loss(graphdef, cfg: TrainerConfig, kind: str, params, micro, num_tokens, num_sequences):
     model = nnx.merge(graphdef, params)
     logp, entropy = token_logprobs(model, micro["tokens"], micro["positions"], micro["segment_ids"],
-                                   cfg.temperature)
+                                   cfg.temperature, micro.get("patches"), micro.get("patch_index"))
     mask = micro["mask"]
     if kind == "sft":
         nll = -jnp.sum(jnp.where(mask > 0, logp, 0.0)) / jnp.maximum(num_tokens, 1)
@@ -189,6 +194,7 @@ class Trainer:
         self.config = config
         self.mesh, self.rules = mesh, rules
         self.graphdef, self.params = nnx.split(model)
+        self.patch_dim = model.cfg.image_patch_dim  # packs trajectories with images (0: text-only)
         # The reference model: a second parameter set of the same family; with a KL term and none
         # given, a frozen copy of the starting policy (the usual choice).
         if ref_params is None and config.loss.kl_coef > 0:
@@ -218,8 +224,9 @@ class Trainer:
         if self.mesh is None:
             return None
         rep = NamedSharding(self.mesh, PartitionSpec())
+        names = (None, "batch", "seq", None)  # patches have a trailing feature axis
         return {k: rep if np.ndim(v) == 0 else NamedSharding(
-            self.mesh, spec_for(np.shape(v), (None, "batch", "seq"), self.rules, self.mesh))
+            self.mesh, spec_for(np.shape(v), names[:np.ndim(v)], self.rules, self.mesh))
             for k, v in batch.items()}
 
     def _program(self, key, build):
@@ -239,7 +246,7 @@ class Trainer:
         """Per-token log-probs `[micro, rows, T]` of the packed batch under `params` (default: the
         current policy; pass `ref_params` for the reference model)."""
         params = self.params if params is None else params
-        batch = self._put({k: packed.arrays[k] for k in ("tokens", "positions", "segment_ids")})
+        batch = self._put({k: packed.arrays[k] for k in _INPUTS if k in packed.arrays})
 
         def build():
             fn = functools.partial(_score_program, self.graphdef, self.config.temperature)
@@ -247,7 +254,8 @@ class Trainer:
                 return jax.jit(fn)
             return jax.jit(fn, in_shardings=(self._shardings(params), self._batch_sharding(batch)),
                            out_shardings=self._batch_sharding({"x": packed.arrays["tokens"]})["x"])
-        return np.asarray(self._program(("score", packed.arrays["tokens"].shape), build)(params, batch))
+        key = ("score", tuple(sorted((k, np.shape(v)) for k, v in batch.items())))
+        return np.asarray(self._program(key, build)(params, batch))
 
     # ------------------------------------------------------------------ steps
 
@@ -277,7 +285,7 @@ class Trainer:
 
     def sft_step(self, packed: PackedBatch) -> dict:
         """One supervised step: token-mean NLL of the model tokens of the packed demonstrations."""
-        arrays = {k: packed.arrays[k] for k in ("tokens", "positions", "segment_ids", "mask")}
+        arrays = {k: packed.arrays[k] for k in _INPUTS + ("mask",) if k in packed.arrays}
         return self._run_step("sft", arrays, packed.num_sequences)
 
     def rl_step(self, trajectories: Sequence[Trajectory]) -> dict:
@@ -285,7 +293,7 @@ class Trainer:
         advantages and takes one optimizer step. Trajectories that cannot be trained on are left out
         and counted (`dropped`)."""
         cfg = self.config
-        packed = pack(trajectories, row_len=cfg.row_len, micro_rows=cfg.micro_rows)
+        packed = pack(trajectories, row_len=cfg.row_len, micro_rows=cfg.micro_rows, patch_dim=self.patch_dim)
         for i, reason in packed.dropped:
             log.warning("trajectory %s left out of the step: %s", trajectories[i].task_id, reason)
         if not packed.kept:
