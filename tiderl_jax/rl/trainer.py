@@ -44,9 +44,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, spec_for
+from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, spec_for, state_shardings
 from tiderl_jax.rl import losses
-from tiderl_jax.rl.advantages import GROUP_ESTIMATORS
+from tiderl_jax.rl.advantages import GROUP_ESTIMATORS, gae, token_level_rewards
 from tiderl_jax.rl.batch import PackedBatch, pack
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,6 @@ class TrainerConfig:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 <= self.warmup_steps < self.total_steps:
             problems.append(f"warmup_steps={self.warmup_steps} must be in [0, total_steps={self.total_steps})")
-        if self.loss.advantage_estimator == "gae":
-            problems.append("advantage_estimator='gae' needs a value head, which this trainer does not "
-                            "build; use grpo, dr_grpo or rloo")
         if self.loss.aggregation == "sequence":
             problems.append("aggregation='sequence' is a per-row mean, which packed rows (several "
                             "sequences per row) do not have; use 'token' or 'constant'")
@@ -116,20 +113,49 @@ def token_logprobs(model: Decoder, tokens, positions, segment_ids, temperature: 
     return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
 
 
-def _score_program(graphdef, temperature, params, batch):
-    model = nnx.merge(graphdef, params)
+class ValueHead(nnx.Module):
+    """PPO's critic: a linear map of the policy's final hidden state to a scalar value (zero init,
+    so training starts from V = 0). It shares the policy's trunk; its gradient reaches the trunk."""
 
+    def __init__(self, hidden_size: int, *, rngs: nnx.Rngs | None = None):
+        del rngs  # zero initialisation needs no randomness
+        self.w = nnx.Param(jnp.zeros((hidden_size,), jnp.float32), axes=("embed",))
+        self.b = nnx.Param(jnp.zeros((), jnp.float32), axes=())
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        return hidden.astype(jnp.float32) @ self.w[...] + self.b[...]
+
+
+def _forward(graphdefs, params, micro, temperature):
+    """(logp, entropy, values or None), each `[b, t]` and shifted like `token_logprobs`: the value
+    of token t is the critic's estimate at the state before it (position t - 1)."""
+    if graphdefs[1] is None:
+        model = nnx.merge(graphdefs[0], params)
+        logp, entropy = token_logprobs(model, micro["tokens"], micro["positions"], micro["segment_ids"],
+                                       temperature, micro.get("patches"), micro.get("patch_index"))
+        return logp, entropy, None
+    model, head = nnx.merge(graphdefs[0], params[0]), nnx.merge(graphdefs[1], params[1])
+    tokens = micro["tokens"]
+    hidden, _ = model(tokens, micro["positions"], segment_ids=micro["segment_ids"],
+                      patches=micro.get("patches"), patch_index=micro.get("patch_index"), return_hidden=True)
+    logp_all = jax.nn.log_softmax(model.logits(hidden[:, :-1]).astype(jnp.float32) / temperature, axis=-1)
+    logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    values = head(hidden[:, :-1])
+    pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
+    return tuple(jnp.concatenate([pad, x], axis=1) for x in (logp, entropy, values))
+
+
+def _score_program(graphdefs, temperature, params, batch):
     def one(micro):
-        logp, _ = token_logprobs(model, micro["tokens"], micro["positions"], micro["segment_ids"],
-                                 temperature, micro.get("patches"), micro.get("patch_index"))
-        return jnp.where(micro["segment_ids"] > 0, logp, 0.0)
+        logp, _, values = _forward(graphdefs, params, micro, temperature)
+        live = micro["segment_ids"] > 0
+        return jnp.where(live, logp, 0.0), jnp.where(live, values, 0.0) if values is not None else None
     return jax.lax.map(one, {k: batch[k] for k in _INPUTS if k in batch})
 
 
-def _micro_loss(graphdef, cfg: TrainerConfig, kind: str, params, micro, num_tokens, num_sequences):
-    model = nnx.merge(graphdef, params)
-    logp, entropy = token_logprobs(model, micro["tokens"], micro["positions"], micro["segment_ids"],
-                                   cfg.temperature, micro.get("patches"), micro.get("patch_index"))
+def _micro_loss(graphdefs, cfg: TrainerConfig, kind: str, params, micro, num_tokens, num_sequences):
+    logp, entropy, values = _forward(graphdefs, params, micro, cfg.temperature)
     mask = micro["mask"]
     if kind == "sft":
         nll = -jnp.sum(jnp.where(mask > 0, logp, 0.0)) / jnp.maximum(num_tokens, 1)
@@ -138,16 +164,17 @@ def _micro_loss(graphdef, cfg: TrainerConfig, kind: str, params, micro, num_toke
     batch = {k: micro[k] for k in ("mask", "advantages", "proximal_logp")}
     if cfg.decoupled:
         batch["behaviour_logp"] = micro["behaviour_logp"]
-    if "ref_logp" in micro:
-        batch["ref_logp"] = micro["ref_logp"]
-    return losses.total_loss(cfg.loss, batch, logp, entropy=entropy, num_tokens=num_tokens,
+    for key in ("ref_logp", "returns", "old_values"):
+        if key in micro:
+            batch[key] = micro[key]
+    return losses.total_loss(cfg.loss, batch, logp, entropy=entropy, values=values, num_tokens=num_tokens,
                              num_sequences=num_sequences)
 
 
-def _train_program(graphdef, tx, cfg: TrainerConfig, kind: str, params, opt_state, batch):
+def _train_program(graphdefs, tx, cfg: TrainerConfig, kind: str, params, opt_state, batch):
     batch = dict(batch)
     num_tokens, num_sequences = batch.pop("num_tokens"), batch.pop("num_sequences")
-    grad_fn = jax.value_and_grad(functools.partial(_micro_loss, graphdef, cfg, kind), has_aux=True)
+    grad_fn = jax.value_and_grad(functools.partial(_micro_loss, graphdefs, cfg, kind), has_aux=True)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
     def body(acc, micro):
@@ -186,6 +213,29 @@ def group_advantages(cfg: losses.LossConfig, rewards: Sequence[float], groups: S
     return np.asarray([adv[i, j] for i, j in where], np.float32)
 
 
+def gae_advantages(cfg: losses.LossConfig, packed: PackedBatch, rewards: np.ndarray):
+    """Per-token GAE advantages and returns of a packed batch (the critic's `old_values` in it): each
+    sequence is laid out alone in a row (`advantages.gae` is one sequence per row), its reward on its
+    last trained token, and the results are put back at the sequence's place in the packed arrays."""
+    n, length = len(packed.placements), packed.arrays["mask"].shape[-1]
+    rows = 1 << max(0, (n - 1).bit_length())  # a power of two: few compiled shapes
+    mask, values = np.zeros((rows, length), np.float32), np.zeros((rows, length), np.float32)
+    for j, (_, _, _, size) in enumerate(packed.placements):
+        mask[j, :size] = packed.per_token("mask", j)
+        values[j, :size] = packed.per_token("old_values", j)
+    token_rewards = token_level_rewards(jnp.asarray(np.pad(rewards, (0, rows - n))), jnp.asarray(mask))
+    adv, ret = _gae(token_rewards, jnp.asarray(values), jnp.asarray(mask), gamma=cfg.gamma, lam=cfg.lam)
+    adv, ret = np.asarray(adv), np.asarray(ret)
+    out_adv, out_ret = np.zeros_like(packed.arrays["mask"]), np.zeros_like(packed.arrays["mask"])
+    for j, (m, r, start, size) in enumerate(packed.placements):
+        out_adv[m, r, start:start + size] = adv[j, :size]
+        out_ret[m, r, start:start + size] = ret[j, :size]
+    return out_adv, out_ret
+
+
+_gae = jax.jit(gae, static_argnames=("gamma", "lam"))
+
+
 class Trainer:
     """Owns the train-side parameters and optimizer state of one policy on one mesh."""
 
@@ -200,8 +250,15 @@ class Trainer:
         if ref_params is None and config.loss.kl_coef > 0:
             ref_params = jax.tree.map(jnp.copy, self.params)
         self.ref_params = ref_params
+        # PPO with GAE: a value head on the policy's trunk, trained with it (one optimizer state).
+        self.value_graphdef, self.value_params = None, None
+        if config.loss.advantage_estimator == "gae":
+            self.value_graphdef, self.value_params = nnx.split(ValueHead(model.cfg.hidden_size))
+            if mesh is not None:
+                self.value_params = jax.device_put(self.value_params,
+                                                   state_shardings(self.value_params, mesh, rules))
         self.tx = make_optimizer(config)
-        self.opt_state = jax.jit(self.tx.init)(self.params)
+        self.opt_state = jax.jit(self.tx.init)(self._trainable())
         if mesh is not None:  # scalars (Adam's count) come out on one device: replicate them
             rep = NamedSharding(mesh, PartitionSpec())
             self.opt_state = jax.tree.map(
@@ -210,6 +267,13 @@ class Trainer:
         self.step_count = 0
         self.skipped_steps = 0
         self._programs: dict[tuple, object] = {}
+
+    def _trainable(self):
+        """What the optimizer updates: the policy, or (policy, value head) with GAE."""
+        return self.params if self.value_params is None else (self.params, self.value_params)
+
+    def _graphdefs(self):
+        return (self.graphdef, self.value_graphdef)
 
     def model(self) -> Decoder:
         """The current policy as a module (for the engine's weight update, evaluation)."""
@@ -245,17 +309,26 @@ class Trainer:
     def score(self, packed: PackedBatch, params=None) -> np.ndarray:
         """Per-token log-probs `[micro, rows, T]` of the packed batch under `params` (default: the
         current policy; pass `ref_params` for the reference model)."""
-        params = self.params if params is None else params
+        return self._score(packed, self.params if params is None else params, with_values=False)[0]
+
+    def score_values(self, packed: PackedBatch) -> tuple[np.ndarray, np.ndarray]:
+        """(log-probs, critic values), both `[micro, rows, T]`, under the current policy and value head."""
+        return self._score(packed, self._trainable(), with_values=True)
+
+    def _score(self, packed: PackedBatch, params, *, with_values: bool):
         batch = self._put({k: packed.arrays[k] for k in _INPUTS if k in packed.arrays})
+        graphdefs = self._graphdefs() if with_values else (self.graphdef, None)
 
         def build():
-            fn = functools.partial(_score_program, self.graphdef, self.config.temperature)
+            fn = functools.partial(_score_program, graphdefs, self.config.temperature)
             if self.mesh is None:
                 return jax.jit(fn)
+            out = self._batch_sharding({"x": packed.arrays["tokens"]})["x"]
             return jax.jit(fn, in_shardings=(self._shardings(params), self._batch_sharding(batch)),
-                           out_shardings=self._batch_sharding({"x": packed.arrays["tokens"]})["x"])
-        key = ("score", tuple(sorted((k, np.shape(v)) for k, v in batch.items())))
-        return np.asarray(self._program(key, build)(params, batch))
+                           out_shardings=(out, out if with_values else None))
+        key = ("score", with_values, tuple(sorted((k, np.shape(v)) for k, v in batch.items())))
+        logp, values = self._program(key, build)(params, batch)
+        return np.asarray(logp), None if values is None else np.asarray(values)
 
     # ------------------------------------------------------------------ steps
 
@@ -264,16 +337,22 @@ class Trainer:
                       num_sequences=np.float32(num_sequences))
         batch = self._put(arrays)
 
+        graphdefs, trainable = self._graphdefs(), self._trainable()
+
         def build():
-            fn = functools.partial(_train_program, self.graphdef, self.tx, self.config, kind)
+            fn = functools.partial(_train_program, graphdefs, self.tx, self.config, kind)
             if self.mesh is None:
                 return jax.jit(fn, donate_argnums=(0, 1))
-            ps, os_ = self._shardings(self.params), self._shardings(self.opt_state)
+            ps, os_ = self._shardings(trainable), self._shardings(self.opt_state)
             rep = NamedSharding(self.mesh, PartitionSpec())
             return jax.jit(fn, in_shardings=(ps, os_, self._batch_sharding(batch)),
                            out_shardings=(ps, os_, rep), donate_argnums=(0, 1))
         key = (kind, tuple(sorted((k, np.shape(v)) for k, v in arrays.items())))
-        self.params, self.opt_state, metrics = self._program(key, build)(self.params, self.opt_state, batch)
+        trainable, self.opt_state, metrics = self._program(key, build)(trainable, self.opt_state, batch)
+        if self.value_params is not None:
+            self.params, self.value_params = trainable
+        else:
+            self.params = trainable
         metrics = {k: float(v) for k, v in metrics.items()}
         self.step_count += 1
         if metrics["skipped"]:
@@ -298,7 +377,10 @@ class Trainer:
             log.warning("trajectory %s left out of the step: %s", trajectories[i].task_id, reason)
         if not packed.kept:
             return {"dropped": float(len(packed.dropped)), "skipped": 1.0}
-        packed.arrays["proximal_logp"] = self.score(packed)
+        if self.value_params is None:
+            packed.arrays["proximal_logp"] = self.score(packed)
+        else:
+            packed.arrays["proximal_logp"], packed.arrays["old_values"] = self.score_values(packed)
         if self.ref_params is not None:
             packed.arrays["ref_logp"] = self.score(packed, self.ref_params)
         kept = [trajectories[i] for i in packed.kept]
@@ -308,7 +390,10 @@ class Trainer:
                 k = losses.kl_estimate(packed.per_token("proximal_logp", j), packed.per_token("ref_logp", j),
                                        cfg.loss.kl_estimator, mask=packed.per_token("mask", j))
                 rewards[j] -= cfg.loss.kl_coef * float(jnp.sum(k))
-        packed.fill_per_sequence("advantages", group_advantages(cfg.loss, rewards, [t.group for t in kept]))
+        if self.value_params is None:
+            packed.fill_per_sequence("advantages", group_advantages(cfg.loss, rewards, [t.group for t in kept]))
+        else:
+            packed.arrays["advantages"], packed.arrays["returns"] = gae_advantages(cfg.loss, packed, rewards)
         arrays = {k: v for k, v in packed.arrays.items()}
         metrics = self._run_step("rl", arrays, packed.num_sequences)
         metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()))
