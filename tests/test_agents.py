@@ -151,3 +151,16 @@ def test_trajectories_round_trip_through_disk(tmp_path):
     _, trajs = _rollout("ctb", _engine(), TASKS[:2])
     save_trajectories(trajs, tmp_path / "t.jsonl")
     assert load_trajectories(tmp_path / "t.jsonl") == trajs
+
+
+def test_a_group_of_one_task_gives_distinct_reproducible_samples():
+    group = [(T.make_task("calculator", 0), 7)] * 3
+
+    def sample():
+        runner = RolloutRunner(_engine(), TOK, RolloutConfig(max_turns=1, max_new_tokens=12, temperature=1.0))
+        return asyncio.run(runner.run(group, T.make_env))
+    first, again = sample(), sample()
+    assert [t.info["sample"] for t in first] == [0, 1, 2]
+    gens = [[x for x, m in zip(t.tokens, t.loss_mask) if m] for t in first]
+    assert len({tuple(g) for g in gens}) == 3  # each sample has its own seed
+    assert [t.tokens for t in first] == [t.tokens for t in again]  # and the seeds are reproducible

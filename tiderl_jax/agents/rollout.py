@@ -82,6 +82,7 @@ class _TaskState:
     task: Task
     group: int
     latency: LatencyModel
+    sample: int = 0  # which of the group's samples of this task (its own sampling seed)
     handle: int | None = None
     active: bool = False  # generating (or about to)
     context_len: int = 0
@@ -158,6 +159,7 @@ class RolloutRunner:
         self._group_sizes: dict[int, int] = {}
         self._group_done: dict[int, int] = {}
         self._finished_turns: list[int] = []  # turn counts of tasks that ended (footprint horizon)
+        self._samples: dict[tuple[str, int], int] = {}  # (task id, group) -> samples submitted
 
     # ------------------------------------------------------------------ CTB signals
 
@@ -190,7 +192,7 @@ class RolloutRunner:
     async def _run_task(self, driver: _Driver, s: _TaskState, env: Environment,
                         admission: "_Admission", env_slots: asyncio.Semaphore) -> Trajectory:
         cfg = self.config
-        traj = Trajectory(s.task.task_id, s.task.kind, s.group)
+        traj = Trajectory(s.task.task_id, s.task.kind, s.group, info={"sample": s.sample})
         try:
             first = as_observation(await env.reset(s.task))
         except Exception as e:
@@ -210,9 +212,9 @@ class RolloutRunner:
                 if len(traj.tokens) + cfg.max_new_tokens > cfg.max_context:
                     traj.end_reason = "context_limit"
                     break
+                seed = zlib.crc32(f"{cfg.seed}/{s.task.task_id}/{s.sample}".encode()) % 2**31
                 sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                          seed=(cfg.seed * 1_000_003 + zlib.crc32(s.task.task_id.encode())) % 2**31,
-                                          stop_ids=stop)
+                                          seed=seed, stop_ids=stop)
                 s.active = True
                 t0 = time.perf_counter()
                 try:
@@ -352,28 +354,52 @@ class RolloutRunner:
 
     async def run(self, tasks: Sequence[tuple[Task, int]], make_env: Callable[[Task], Environment],
                   latency_of: Callable[[Task], LatencyModel] = lambda t: LatencyModel()) -> list[Trajectory]:
-        """Runs every (task, group) to its end; returns trajectories in the order given."""
-        self.metrics["tasks"] += len(tasks)
-        for _, g in tasks:
-            self._group_sizes[g] = self._group_sizes.get(g, 0) + 1
-        states = [_TaskState(t, g, latency_of(t)) for t, g in tasks]
-        for st in states:
-            self._states[st.task.task_id] = st
-        pin = self.engine.pin if self.config.mode == "ctb" else (lambda h: None)
-        driver = _Driver(self.engine, self._relieve_pressure, pin)
-        budget = self.config.kv_budget_tokens or (self.engine.pool.num_pages - 1) * self.engine.config.page_size
-        admission = _Admission(budget if self.config.mode == "ctb" else None)
-        env_slots = asyncio.Semaphore(self.config.env_concurrency)
-        loop_task = asyncio.create_task(driver.run())
+        """Runs every (task, group) to its end; returns trajectories in the order given. The same
+        task given several times (a GRPO group) gives differently seeded samples."""
+        await self.start(make_env, latency_of)
         try:
-            results = await asyncio.gather(*(self._run_task(driver, st, make_env(st.task), admission, env_slots)
-                                             for st in states))
-            while driver._commands:  # let the final releases land
-                await asyncio.sleep(0.005)
+            return list(await asyncio.gather(*(self.submit(t, g) for t, g in tasks)))
         finally:
-            driver.stop = True
-            await loop_task
-        return list(results)
+            await self.stop()
+
+    # ------------------------------------------------------------------ streaming
+
+    async def start(self, make_env: Callable[[Task], Environment],
+                    latency_of: Callable[[Task], LatencyModel] = lambda t: LatencyModel()) -> None:
+        """Starts the engine driver; tasks then come in one by one with `submit` (a controller that
+        admits tasks as capacity frees up), until `stop`."""
+        self._make_env, self._latency_of = make_env, latency_of
+        pin = self.engine.pin if self.config.mode == "ctb" else (lambda h: None)
+        self._driver = _Driver(self.engine, self._relieve_pressure, pin)
+        budget = self.config.kv_budget_tokens or (self.engine.pool.num_pages - 1) * self.engine.config.page_size
+        self._admission = _Admission(budget if self.config.mode == "ctb" else None)
+        self._env_slots = asyncio.Semaphore(self.config.env_concurrency)
+        self._loop_task = asyncio.create_task(self._driver.run())
+
+    async def submit(self, task: Task, group: int, *, expected_group_size: int | None = None) -> Trajectory:
+        """Runs one task to its end (await it, or wrap it in a task). `expected_group_size` tells CTB's
+        group-completion signal how many samples the group will have when they arrive one by one."""
+        self.metrics["tasks"] += 1
+        self._group_sizes[group] = max(self._group_sizes.get(group, 0) + 1, expected_group_size or 0)
+        sample = self._samples.get((task.task_id, group), 0)
+        self._samples[(task.task_id, group)] = sample + 1
+        st = _TaskState(task, group, self._latency_of(task), sample=sample)
+        self._states[id(st)] = st
+        try:
+            return await self._run_task(self._driver, st, self._make_env(task), self._admission,
+                                        self._env_slots)
+        finally:
+            del self._states[id(st)]
+
+    def command(self, fn: Callable[[], object]) -> asyncio.Future:
+        """Runs `fn` between engine steps (e.g. a weight update); the future gets its result."""
+        return self._driver.command(fn)
+
+    async def stop(self) -> None:
+        while self._driver._commands:  # let the final releases land
+            await asyncio.sleep(0.005)
+        self._driver.stop = True
+        await self._loop_task
 
 
 class _Admission:
