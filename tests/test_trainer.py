@@ -195,3 +195,23 @@ def test_ppo_with_gae_trains_the_value_head_and_matches_a_hand_computed_return()
     assert not np.array_equal(head_before, np.asarray(trainer.value_params["w"][...]))
     m2 = trainer.sft_step(p)  # the warm start works with a critic attached (its gradient is 0)
     assert np.isfinite(m2["nll"])
+
+
+def test_moving_the_trainer_to_another_mesh_changes_nothing_but_placement():
+    from tiderl_jax.runtime.devices import DevicePool
+
+    pool = DevicePool.split(jax.devices(), group_size=2, rollout=2, train=2, tensor=2)
+    cfg = _config(loss=LossConfig(kl_coef=0.1, advantage_estimator="gae"))
+    stay = Trainer(shard_model(init_decoder(CFG, seed=11), pool.mesh("train"), DEFAULT_RULES), cfg,
+                   mesh=pool.mesh("train"))
+    move = Trainer(shard_model(init_decoder(CFG, seed=11), pool.mesh("train"), DEFAULT_RULES), cfg,
+                   mesh=pool.mesh("train"))
+    stay.rl_step(TRAJS), move.rl_step(TRAJS)
+    bigger = pool.moved("rollout", "train")
+    move.move_to(bigger.mesh("train"))
+    stay.rl_step(TRAJS[:5]), move.rl_step(TRAJS[:5])
+    for a, b in zip(_params(stay), _params(move)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    devices = set(bigger.devices_of("train"))
+    for leaf in jax.tree.leaves((move.params, move.opt_state, move.ref_params, move.value_params)):
+        assert leaf.sharding.device_set == devices

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, spec_for, state_shardings
+from tiderl_jax.model.sharding import DEFAULT_RULES, ActivationSharding, Rules, spec_for, state_shardings
 from tiderl_jax.rl import losses
 from tiderl_jax.rl.advantages import GROUP_ESTIMATORS, gae, token_level_rewards
 from tiderl_jax.rl.batch import PackedBatch, pack
@@ -236,6 +236,20 @@ def gae_advantages(cfg: losses.LossConfig, packed: PackedBatch, rewards: np.ndar
 _gae = jax.jit(gae, static_argnames=("gamma", "lam"))
 
 
+def _same_layout_on(x: jax.Array, mesh: Mesh) -> NamedSharding:
+    """x's partitioning carried over to `mesh`, dropping mesh axes that no longer divide its dims
+    (optimizer moments follow their parameters; scalars stay replicated)."""
+    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
+    dims = []
+    for size, axes in zip(x.shape, tuple(spec) + (None,) * (x.ndim - len(spec))):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        ways = 1
+        for a in names:
+            ways *= mesh.shape[a]
+        dims.append(axes if names and size % ways == 0 else None)
+    return NamedSharding(mesh, PartitionSpec(*dims))
+
+
 class Trainer:
     """Owns the train-side parameters and optimizer state of one policy on one mesh."""
 
@@ -274,6 +288,21 @@ class Trainer:
 
     def _graphdefs(self):
         return (self.graphdef, self.value_graphdef)
+
+    def move_to(self, mesh: Mesh) -> None:
+        """Continues on another mesh (an ERS move at a step boundary): parameters, value head,
+        reference parameters and optimizer state are resharded there; programs recompile."""
+        model = nnx.merge(self.graphdef, jax.device_put(self.params, state_shardings(self.params, mesh, self.rules)))
+        model.activation_sharding = ActivationSharding(mesh, self.rules)  # activations pinned there too
+        self.graphdef, self.params = nnx.split(model)
+        if self.value_params is not None:
+            self.value_params = jax.device_put(self.value_params,
+                                               state_shardings(self.value_params, mesh, self.rules))
+        if self.ref_params is not None:
+            self.ref_params = jax.device_put(self.ref_params, state_shardings(self.ref_params, mesh, self.rules))
+        self.opt_state = jax.tree.map(lambda x: jax.device_put(x, _same_layout_on(x, mesh)), self.opt_state)
+        self.mesh = mesh
+        self._programs.clear()
 
     def model(self) -> Decoder:
         """The current policy as a module (for the engine's weight update, evaluation)."""
@@ -381,11 +410,18 @@ class Trainer:
             packed.arrays["proximal_logp"] = self.score(packed)
         else:
             packed.arrays["proximal_logp"], packed.arrays["old_values"] = self.score_values(packed)
-        if self.ref_params is not None:
-            packed.arrays["ref_logp"] = self.score(packed, self.ref_params)
         kept = [trajectories[i] for i in packed.kept]
+        has_ref = all(t.info.get("ref_logp") is not None for t in kept)
+        if has_ref:  # scored ahead, on the ref's own devices (RA2P decoupled)
+            packed.arrays["ref_logp"] = np.zeros_like(packed.arrays["mask"])
+            for j, t in enumerate(kept):
+                m, r, start, n = packed.placements[j]
+                packed.arrays["ref_logp"][m, r, start:start + n] = t.info["ref_logp"]
+        elif self.ref_params is not None:
+            packed.arrays["ref_logp"] = self.score(packed, self.ref_params)
+            has_ref = True
         rewards = np.asarray([t.reward for t in kept], np.float32)
-        if cfg.loss.kl_as_reward and cfg.loss.kl_coef > 0 and self.ref_params is not None:
+        if cfg.loss.kl_as_reward and cfg.loss.kl_coef > 0 and has_ref:
             for j in range(len(kept)):
                 k = losses.kl_estimate(packed.per_token("proximal_logp", j), packed.per_token("ref_logp", j),
                                        cfg.loss.kl_estimator, mask=packed.per_token("mask", j))
@@ -398,3 +434,35 @@ class Trainer:
         metrics = self._run_step("rl", arrays, packed.num_sequences)
         metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()))
         return metrics
+
+
+class Scorer:
+    """Per-token log-probs of trajectories under one parameter set on its own mesh: the reference
+    model when RA2P runs it decoupled from the actor (on the ref devices, as trajectories arrive)."""
+
+    def __init__(self, model: Decoder, config: TrainerConfig, *, mesh: Mesh | None = None,
+                 rules: Rules = DEFAULT_RULES):
+        self.config = config
+        self.mesh, self.rules = mesh, rules
+        self.graphdef, self.params = nnx.split(model)
+        self.patch_dim = model.cfg.image_patch_dim
+        self._programs: dict = {}
+
+    _batch_sharding = Trainer._batch_sharding
+    _shardings = Trainer._shardings
+    _program = Trainer._program
+    _put = Trainer._put
+    _score = Trainer._score
+
+    def score_trajectories(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray | None]:
+        """Each trajectory's per-token log-probs (None for one the trainer would leave out)."""
+        cfg = self.config
+        packed = pack(trajectories, row_len=cfg.row_len, micro_rows=cfg.micro_rows, patch_dim=self.patch_dim)
+        if not packed.kept:
+            return [None] * len(trajectories)
+        logp = self._score(packed, self.params, with_values=False)[0]
+        out: list[np.ndarray | None] = [None] * len(trajectories)
+        for j, i in enumerate(packed.kept):
+            m, r, start, n = packed.placements[j]
+            out[i] = logp[m, r, start:start + n].copy()
+        return out
