@@ -33,6 +33,7 @@ the reason recorded); a refused engine request ends it with `engine_error`. Othe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import time
@@ -98,8 +99,9 @@ class _Driver:
     """Owns the engine: applies queued commands between steps, reports ended turns to waiters."""
 
     def __init__(self, engine: Engine, before_step: Callable[[], None],
-                 on_turn_end: Callable[[int], None]):
+                 on_turn_end: Callable[[int], None], step_span=None):
         self.engine = engine
+        self.step_span = step_span or contextlib.nullcontext  # wraps each engine step (metrics)
         self.before_step = before_step
         self.on_turn_end = on_turn_end  # runs before the next step (CTB pins the KV here)
         self._commands: list = []
@@ -133,7 +135,8 @@ class _Driver:
             self._apply()
             if self.engine.has_work():
                 self.before_step()
-                ended = await asyncio.to_thread(self.engine.step)
+                with self.step_span():
+                    ended = await asyncio.to_thread(self.engine.step)
                 for h in ended:
                     fut = self._waiters.pop(h, None)
                     if fut is not None:
@@ -160,6 +163,7 @@ class RolloutRunner:
         self._group_done: dict[int, int] = {}
         self._finished_turns: list[int] = []  # turn counts of tasks that ended (footprint horizon)
         self._samples: dict[tuple[str, int], int] = {}  # (task id, group) -> samples submitted
+        self.step_span = None  # optional: a context manager factory wrapping each engine step
 
     # ------------------------------------------------------------------ CTB signals
 
@@ -370,19 +374,22 @@ class RolloutRunner:
         admits tasks as capacity frees up), until `stop`."""
         self._make_env, self._latency_of = make_env, latency_of
         pin = self.engine.pin if self.config.mode == "ctb" else (lambda h: None)
-        self._driver = _Driver(self.engine, self._relieve_pressure, pin)
+        self._driver = _Driver(self.engine, self._relieve_pressure, pin, self.step_span)
         budget = self.config.kv_budget_tokens or (self.engine.pool.num_pages - 1) * self.engine.config.page_size
         self._admission = _Admission(budget if self.config.mode == "ctb" else None)
         self._env_slots = asyncio.Semaphore(self.config.env_concurrency)
         self._loop_task = asyncio.create_task(self._driver.run())
 
-    async def submit(self, task: Task, group: int, *, expected_group_size: int | None = None) -> Trajectory:
+    async def submit(self, task: Task, group: int, *, expected_group_size: int | None = None,
+                     sample: int | None = None) -> Trajectory:
         """Runs one task to its end (await it, or wrap it in a task). `expected_group_size` tells CTB's
-        group-completion signal how many samples the group will have when they arrive one by one."""
+        group-completion signal how many samples the group will have when they arrive one by one;
+        `sample` fixes the sample index (its seed; default: the next one of this task and group)."""
         self.metrics["tasks"] += 1
         self._group_sizes[group] = max(self._group_sizes.get(group, 0) + 1, expected_group_size or 0)
-        sample = self._samples.get((task.task_id, group), 0)
-        self._samples[(task.task_id, group)] = sample + 1
+        if sample is None:
+            sample = self._samples.get((task.task_id, group), 0)
+        self._samples[(task.task_id, group)] = max(sample + 1, self._samples.get((task.task_id, group), 0))
         st = _TaskState(task, group, self._latency_of(task), sample=sample)
         self._states[id(st)] = st
         try:

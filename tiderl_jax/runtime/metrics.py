@@ -20,6 +20,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 
@@ -90,7 +91,7 @@ class RunMetrics:
         values = dict(values, goodput_tokens_per_s=self.consumed_tokens / max(now, 1e-9),
                       goodput_samples_per_s=self.consumed_samples / max(now, 1e-9), wall_s=now)
         for k, v in values.items():
-            if isinstance(v, (int, float)):
+            if isinstance(v, (int, float)) and math.isfinite(v):
                 self.writer.add_scalar(k, v, step)
         self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self.jsonl.flush()

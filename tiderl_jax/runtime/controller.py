@@ -1,0 +1,449 @@
+"""The controller: one loop for the `sync`, `async` and `tiderl` modes (MECHANISMS.md §1, §8).
+
+```
+producer (asyncio):  capacity = staleness.capacity(...)  -> admit GRPO groups -> RolloutRunner
+                     finished group -> fresh samples -> ready buffer   (RA2P decoupled: ref scores it
+                                                                        now, on the ref devices)
+trainer loop:        wait for a batch of groups (trainer waiting) -> RA2P choice (logged with both
+                     costs) -> score + train (Trainer.rl_step, in a worker thread) -> version + 1
+                     -> ERS move at the step boundary (tiderl) -> weight sync to the rollout mesh
+```
+
+The modes are settings of this one loop, not code paths:
+- `sync` (veRL-like): one mesh of all devices for generation and training, staleness bound 0 (the
+  capacity rule admits exactly one batch per version, so rollout and training take turns), the
+  request-level rollout of a stock engine, reference scored with the actor (colocated).
+- `async` (AReaL-like): disjoint rollout / ref / train device groups, staleness bound `eta` >= 1,
+  decoupled PPO on behaviour log-probs, request-level rollout, no ERS.
+- `tiderl`: as async, plus CTB (task-level KV admission, KV kept across tool calls), RA2P (the ref
+  pass decoupled on its own devices as groups arrive, or colocated on the train devices once per
+  step, by `policies.ra2p` on measured costs) and ERS (one device group moves between rollout and
+  train at a step boundary, by `policies.ers`).
+
+Everything the decisions read is measured here: step times, per-micro-batch actor and ref times,
+ready-at-start counts, arrival gaps, trainer idle time, head-of-line latency.
+
+Checkpoints (orbax, `rl/checkpoint.py`) hold the parameters, optimizer state, reference and value
+parameters, and a JSON meta with the step, policy version, data cursor, the ready buffer's
+trajectories and the in-flight tasks; a resumed run re-queues the ready groups and re-runs the
+in-flight tasks (with the same task, group and sample seeds), so no sampled work is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import math
+import time
+import zlib
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tiderl_jax.agents import tasks as task_lib
+from tiderl_jax.agents.env import LatencyModel, Task
+from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
+from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.engine.engine import Engine, EngineConfig
+from tiderl_jax.model.config import ConfigError
+from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, make_mesh
+from tiderl_jax.model.tokenizer import Tokenizer
+from tiderl_jax.policies import ers, ra2p, staleness
+from tiderl_jax.rl.checkpoint import Checkpointer
+from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
+from tiderl_jax.runtime.devices import DevicePool, WeightSync, model_on
+from tiderl_jax.runtime.metrics import RunMetrics
+
+log = logging.getLogger(__name__)
+
+MODES = ("sync", "async", "tiderl")
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    mode: str = "tiderl"
+    steps: int = 10  # optimizer updates
+    groups_per_step: int = 4  # GRPO groups (prompts) per update
+    group_size: int = 4  # samples per group
+    eta: int | None = None  # staleness bound; None: the mode's default (sync 0, else 1)
+    max_concurrent: int = 32  # tasks in flight
+    task_kinds: tuple[str, ...] = ("calculator",)
+    data_seed: int = 0  # train-split generator seed
+    # device groups (async / tiderl); sync uses every device for both roles
+    device_group_size: int = 2
+    rollout_groups: int = 2
+    ref_groups: int = 1  # 0: the ref always runs on the train devices (colocated)
+    train_groups: int = 1
+    tensor: int = 2
+    ers_patience: int = 2
+    ers_cooldown: int = 3
+    checkpoint_every: int = 0  # steps; 0: only at the end and on interrupt
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ConfigError(f"controller.mode={self.mode!r} is not one of {MODES}")
+        for name in ("steps", "groups_per_step", "group_size", "max_concurrent", "device_group_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"controller.{name}={getattr(self, name)} must be >= 1")
+        if self.max_concurrent < self.group_size:
+            raise ConfigError(f"controller.max_concurrent={self.max_concurrent} must hold one group "
+                              f"(group_size={self.group_size})")
+        if not self.task_kinds or any(k not in task_lib.GENERATORS for k in self.task_kinds):
+            raise ConfigError(f"controller.task_kinds={self.task_kinds} must be non-empty, from "
+                              f"{sorted(task_lib.GENERATORS)}")
+
+    @property
+    def staleness(self) -> staleness.StalenessConfig:
+        return staleness.staleness_config(self.mode, self.eta)
+
+    @property
+    def batch_samples(self) -> int:
+        return self.groups_per_step * self.group_size
+
+
+@dataclasses.dataclass
+class _Group:
+    gid: int
+    task: Task
+    trajectories: list = dataclasses.field(default_factory=list)
+    launched: int = 0  # samples started in this process (a resumed group keeps its finished ones)
+    arrived: float = 0.0  # when its last sample finished
+    ref_job: asyncio.Future | None = None  # decoupled ref scoring in flight
+
+
+class Controller:
+    def __init__(self, model: Decoder, tokenizer: Tokenizer, *, config: ControllerConfig,
+                 engine_config: EngineConfig, rollout_config: RolloutConfig, trainer_config: TrainerConfig,
+                 latency: LatencyModel = LatencyModel(), logdir: str, rules: Rules = DEFAULT_RULES,
+                 make_env: Callable[[Task], object] | None = None, devices: Sequence | None = None):
+        self.cfg = config
+        self.tok = tokenizer
+        self.rules = rules
+        self.latency = latency
+        self._make_env = make_env or (lambda t: task_lib.make_env(t, latency=latency,
+                                                                   seed=zlib.crc32(t.task_id.encode())))
+        devices = list(devices or jax.devices())
+        graphdef, params = nnx.split(model)
+        if config.mode == "sync":  # one mesh for everything; nothing moves
+            self.pool = None
+            n = len(devices)
+            tensor = config.tensor if n % config.tensor == 0 else 1
+            mesh = make_mesh({"data": 1, "fsdp": n // tensor, "tensor": tensor}, devices)
+            roll_mesh = train_mesh = mesh
+            ref_mesh = None
+        else:
+            self.pool = DevicePool.split(devices, group_size=config.device_group_size,
+                                         rollout=config.rollout_groups, ref=config.ref_groups,
+                                         train=config.train_groups, tensor=config.tensor)
+            roll_mesh, train_mesh, ref_mesh = (self.pool.mesh(r) for r in ("rollout", "train", "ref"))
+        self.trainer = Trainer(model_on(graphdef, params, train_mesh, rules), trainer_config,
+                               mesh=train_mesh, rules=rules)
+        if self.trainer.ref_params is None:  # RA2P needs a reference model: the starting policy
+            self.trainer.ref_params = jax.tree.map(lambda x: x.copy(), self.trainer.params)
+        self.ref_scorer = (Scorer(model_on(graphdef, params, ref_mesh, rules), trainer_config,
+                                  mesh=ref_mesh, rules=rules) if ref_mesh is not None else None)
+        self.engine = Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)
+        rollout_mode = "ctb" if config.mode == "tiderl" else "request"
+        self.runner = RolloutRunner(self.engine, tokenizer,
+                                    dataclasses.replace(rollout_config, mode=rollout_mode))
+        self.sync = WeightSync()
+        lanes = ({"rollout": len(devices), "train": len(devices)} if self.pool is None else
+                 {r: len(self.pool.devices_of(r)) for r in ("rollout", "ref", "train")})
+        self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=lanes)
+        self.checkpointer = Checkpointer(f"{logdir}/checkpoints", keep=2)
+        self.logdir = logdir
+        # run state
+        self.version = 0
+        self.step = 0
+        self.cursor = 0  # next train task index
+        self.running = 0  # samples in flight
+        self.accepted = 0  # fresh samples accepted into the ready buffer
+        self.discarded = 0  # over-stale samples dropped
+        self.ready: collections.deque[_Group] = collections.deque()
+        self.in_flight: dict[int, _Group] = {}
+        self.resume_groups: list[_Group] = []  # in-flight groups of a checkpoint, to complete
+        self._sample_tasks: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()
+        self.ra2p_mode = ra2p.COLOCATED
+        self.ers_history = ers.ERSHistory()
+        self.moves: list[dict] = []
+        self._timings = dict(t_act=None, t_ref=None, t_swap=0.0, tprm=None)
+        self._stop = False
+
+    # ------------------------------------------------------------------ the producer
+
+    def _next_task(self) -> Task:
+        """The next train task (its index is the group id: one GRPO group per task)."""
+        kinds = self.cfg.task_kinds
+        i = self.cursor
+        self.cursor += 1
+        return task_lib.make_task(kinds[i % len(kinds)], i // len(kinds), "train", self.cfg.data_seed)
+
+    async def _produce(self):
+        G = self.cfg.group_size
+        while not self._stop:
+            cap = staleness.capacity(self.cfg.max_concurrent, self.running, self.cfg.staleness.eta,
+                                     self.version, self.cfg.batch_samples, self.accepted)
+            if cap < G:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self.resume_groups:
+                group = self.resume_groups.pop(0)
+            else:
+                group = _Group(self.cursor, self._next_task())
+            self.in_flight[group.gid] = group
+            missing = [i for i in range(G) if i not in {t.info.get("sample") for t in group.trajectories}]
+            group.launched = len(missing)
+            self.running += len(missing)
+            for i in missing:
+                job = asyncio.create_task(self._one_sample(group, i))
+                self._sample_tasks.add(job)
+                job.add_done_callback(self._sample_tasks.discard)
+
+    async def _one_sample(self, group: _Group, sample: int):
+        traj = await self.runner.submit(group.task, group.gid, expected_group_size=self.cfg.group_size,
+                                        sample=sample)
+        group.trajectories.append(traj)
+        if len(group.trajectories) < self.cfg.group_size:
+            return
+        group.trajectories.sort(key=lambda t: t.info["sample"])
+        self.running -= group.launched
+        del self.in_flight[group.gid]
+        eta = self.cfg.staleness.eta
+        fresh = [t for t in group.trajectories if staleness.is_fresh(t.versions, self.version, eta)]
+        self.discarded += len(group.trajectories) - len(fresh)
+        group.trajectories = fresh
+        group.arrived = time.perf_counter()
+        if fresh:
+            self.accepted += len(fresh)
+            if self.ref_scorer is not None and self.ra2p_mode == ra2p.DECOUPLED:
+                group.ref_job = asyncio.ensure_future(self._score_ref(group))
+            self.ready.append(group)
+        self._wake.set()
+
+    async def _score_ref(self, group: _Group):
+        with self.metrics.span("ref", "score"):
+            t0 = time.perf_counter()
+            scores = await asyncio.to_thread(self.ref_scorer.score_trajectories, group.trajectories)
+            self._timings["t_ref_dec"] = time.perf_counter() - t0
+        for t, s in zip(group.trajectories, scores):
+            if s is not None:
+                t.info["ref_logp"] = s.tolist()
+
+    # ------------------------------------------------------------------ the trainer loop
+
+    async def _take_batch(self):
+        """Waits for `groups_per_step` ready groups; returns them with the measured signals."""
+        t0 = time.perf_counter()
+        ras = min(len(self.ready), self.cfg.groups_per_step)
+        hol = t0 - self.ready[0].arrived if self.ready else 0.0
+        arrivals = []
+        while len(self.ready) < self.cfg.groups_per_step:
+            self._wake.clear()
+            await self._wake.wait()
+            arrivals.append(time.perf_counter())
+        batch = [self.ready.popleft() for _ in range(self.cfg.groups_per_step)]
+        waited = time.perf_counter() - t0
+        gaps = np.diff([t0] + arrivals) if arrivals else []
+        if len(gaps):
+            self._timings["tprm"] = float(np.mean(gaps))
+        self._wake.set()  # capacity may have freed up
+        return batch, waited, ras, hol
+
+    def _ra2p_decision(self, ras: int) -> ra2p.Decision | None:
+        t = self._timings
+        if self.cfg.mode != "tiderl" or self.ref_scorer is None or t["t_act"] is None or t["t_ref"] is None:
+            return None
+        m = self.cfg.groups_per_step  # one micro-batch = one group here
+        n_ref = len(self.pool.devices_of("ref"))
+        n_train = len(self.pool.devices_of("train"))
+        total = n_ref + n_train
+        return ra2p.choose_mode(ra2p.RA2PSignals(
+            num_microbatches=m, ready_at_start=ras, tprm_s=t["tprm"] or 0.0,
+            t_ref_s=t["t_ref"] / m, t_act_s=t["t_act"] / m, t_swap_s=t["t_swap"],
+            ref_share=n_ref / total, act_share=n_train / total, fill_drain_s=t["t_ref"] / m))
+
+    async def _train_step(self, batch: list[_Group]):
+        trajs = [t for g in batch for t in g.trajectories]
+        if any(g.ref_job is not None for g in batch):
+            with self.metrics.span("train", "wait_ref"):
+                await asyncio.gather(*(g.ref_job for g in batch if g.ref_job is not None))
+        decoupled = all(t.info.get("ref_logp") is not None for t in trajs)
+        with self.metrics.span("train", "train"):
+            t0 = time.perf_counter()
+            out = await asyncio.to_thread(self.trainer.rl_step, trajs)
+            dt = time.perf_counter() - t0
+        # the actor's time per step, and the ref's when it ran here (colocated: score = one more
+        # forward pass of the same size, about a third of forward + backward)
+        self._timings["t_act"] = dt * (1.0 if decoupled else 0.75)
+        if not decoupled:
+            self._timings["t_ref"] = dt * 0.25
+        elif "t_ref_dec" in self._timings:
+            self._timings["t_ref"] = self._timings["t_ref_dec"] * self.cfg.groups_per_step
+        return out, trajs
+
+    async def _publish(self, version: int):
+        def swap():
+            return self.sync.publish(self.trainer.params, version,
+                                     target_shardings=self.engine.runner.param_shardings,
+                                     drain=lambda: None, swap=self.engine.update_params)
+        with self.metrics.span("train", "sync"):
+            rec = await self.runner.command(swap)
+        if not rec.ok:
+            log.warning("rollout keeps version %d after a failed sync", self.engine.version)
+
+    async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float):
+        if self.cfg.mode != "tiderl":
+            return
+        signals = ers.ERSSignals(
+            ready_volume=sum(len(g.trajectories) for g in self.ready), ideal_batch=self.cfg.batch_samples,
+            trainer_idle_s=waited, hol_latency_s=hol, step_time_s=step_time, ras=ras,
+            break_even_ras=math.inf, rollout_groups=self.pool.num_groups("rollout"),
+            train_groups=self.pool.num_groups("train"))
+        move, self.ers_history = ers.decide(signals, self.ers_history,
+                                            ers.ERSConfig(patience=self.cfg.ers_patience,
+                                                          cooldown=self.cfg.ers_cooldown))
+        if move is None:
+            return
+        t0 = time.perf_counter()
+        self.pool = self.pool.moved(move.from_role, move.to_role)
+        train_mesh, roll_mesh = self.pool.mesh("train"), self.pool.mesh("rollout")
+        with self.metrics.span("train", "move"):
+            await asyncio.to_thread(self.trainer.move_to, train_mesh)
+            engine_model = model_on(self.trainer.graphdef, self.trainer.params, roll_mesh, self.rules)
+            await self.runner.command(lambda: self.engine.move_to(engine_model))
+        for lane in ("rollout", "train"):
+            self.metrics.set_devices(lane, len(self.pool.devices_of(lane)))
+        self.ra2p_mode = move.ra2p_mode
+        record = dict(step=self.step, frm=move.from_role, to=move.to_role, reason=move.reason,
+                      seconds=time.perf_counter() - t0)
+        self.moves.append(record)
+        log.info("ERS: moved one device group %s -> %s (%s) in %.2fs", move.from_role, move.to_role,
+                 move.reason, record["seconds"])
+
+    def load_policy(self, params) -> None:
+        """Starts from these weights (the warm start): the actor, the reference model and the
+        rollout engine all take them (version 0)."""
+        def place(tree, like):
+            return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, like))
+        self.trainer.params = place(params, self.trainer.params)
+        self.trainer.ref_params = place(params, self.trainer.ref_params)
+        if self.ref_scorer is not None:
+            self.ref_scorer.params = place(params, self.ref_scorer.params)
+        self.engine.update_params(place(params, self.engine.runner.params), self.version)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _arrays(self):
+        arrays = dict(params=self.trainer.params, opt_state=self.trainer.opt_state,
+                      ref=self.trainer.ref_params)
+        if self.trainer.value_params is not None:
+            arrays["value"] = self.trainer.value_params
+        return arrays
+
+    def save(self, wait: bool = False) -> None:
+        meta = dict(step=self.step, version=self.version, cursor=self.cursor,
+                    ready=[dict(gid=g.gid, task=dataclasses.asdict(g.task),
+                                trajectories=[t.to_dict() for t in g.trajectories]) for g in self.ready],
+                    in_flight=[dict(gid=g.gid, task=dataclasses.asdict(g.task),
+                                    trajectories=[t.to_dict() for t in g.trajectories])
+                               for g in self.in_flight.values()])
+        self.checkpointer.save(self.step, self._arrays(), meta)
+        if wait:
+            self.checkpointer.wait()
+
+    def restore(self) -> bool:
+        """Resumes from the latest checkpoint in the log directory; False if there is none."""
+        if self.checkpointer.latest_step() is None:
+            return False
+        arrays, meta = self.checkpointer.restore(self._arrays())
+        self.trainer.params, self.trainer.opt_state = arrays["params"], arrays["opt_state"]
+        self.trainer.ref_params = arrays["ref"]
+        if "value" in arrays:
+            self.trainer.value_params = arrays["value"]
+        self.step, self.version, self.cursor = meta["step"], meta["version"], meta["cursor"]
+        self.trainer.step_count = self.step
+        self.engine.update_params(jax.device_put(self.trainer.params, self.engine.runner.param_shardings)
+                                  if self.engine.runner.param_shardings is not None else self.trainer.params,
+                                  self.version)
+        for g in meta["ready"]:
+            group = _Group(g["gid"], Task(**g["task"]), [Trajectory.from_dict(t) for t in g["trajectories"]],
+                           arrived=time.perf_counter())
+            self.ready.append(group)
+            self.accepted += len(group.trajectories)
+        self.accepted += self.version * self.cfg.batch_samples  # consumed before the checkpoint
+        self.resume_groups = [_Group(g["gid"], Task(**g["task"]),
+                                     [Trajectory.from_dict(t) for t in g["trajectories"]])
+                              for g in meta["in_flight"]]
+        log.info("resumed at step %d (version %d): %d ready groups, %d in-flight groups to complete",
+                 self.step, self.version, len(self.ready), len(self.resume_groups))
+        return True
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> dict:
+        self.runner.step_span = lambda: self.metrics.span("rollout", "generate")
+        await self.runner.start(self._make_env, lambda t: self.latency)
+        producer = asyncio.create_task(self._produce())
+        last = time.perf_counter()
+        try:
+            while self.step < self.cfg.steps:
+                decision = self._ra2p_decision(len(self.ready))
+                if decision is not None and self.pool.num_groups("ref") > 0:
+                    self.ra2p_mode = decision.mode
+                batch, waited, ras, hol = await self._take_batch()
+                out, trajs = await self._train_step(batch)
+                self.step += 1
+                now = time.perf_counter()
+                step_time, last = now - last, now
+                await self._ers_boundary(waited, step_time, ras, hol)
+                await self._publish(self.version + 1)
+                self.version += 1  # only now: the producer admits the next batch on the new weights
+                self._wake.set()
+                lags = collections.Counter()
+                for t in trajs:
+                    for v, m in zip(t.versions, t.loss_mask):
+                        if m:
+                            lags[self.version - 1 - v] += 1
+                self.metrics.consume(int(out.get("tokens", 0)), len(trajs), dict(lags), out.get("reward", 0.0))
+                self.metrics.log_step(self.step, dict(
+                    out, version=self.version, ready_groups=len(self.ready), trainer_wait_s=waited,
+                    ras=ras, hol_s=hol, running=self.running, discarded=self.discarded,
+                    kv_hit_rate=self.engine.stats()["prefix_hit_rate"],
+                    ra2p_decoupled=float(self.ra2p_mode == ra2p.DECOUPLED),
+                    ra2p_cost_colocated=decision.cost_colocated if decision else float("nan"),
+                    ra2p_cost_decoupled=decision.cost_decoupled if decision else float("nan"),
+                    rollout_devices=self.metrics.devices.get("rollout", 0)))
+                if decision is not None:
+                    log.info("RA2P: %s (colocated %.2fs, decoupled %.2fs)", decision.mode,
+                             decision.cost_colocated, decision.cost_decoupled)
+                if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+                    self.save()
+        finally:
+            self._stop = True
+            self._wake.set()
+            await producer
+            self.save(wait=True)
+            await self.shutdown()
+        return self.summary()
+
+    def summary(self) -> dict:
+        s = self.metrics.summary()
+        s.update(mode=self.cfg.mode, kv_hit_rate=self.engine.stats()["prefix_hit_rate"],
+                 discarded=self.discarded, moves=len(self.moves),
+                 syncs_failed=sum(not r.ok for r in self.sync.history))
+        return s
+
+    async def shutdown(self) -> None:
+        """Stops the rollout side; unfinished samples are abandoned (the checkpoint lists their
+        groups, and a resumed run completes them)."""
+        for job in list(self._sample_tasks):
+            job.cancel()
+        await asyncio.gather(*self._sample_tasks, return_exceptions=True)
+        await self.runner.stop()
