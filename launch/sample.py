@@ -18,31 +18,10 @@ from flax import nnx
 from tiderl_jax import config as config_lib
 from tiderl_jax.model import chat
 from tiderl_jax.model.config import ConfigError
-from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.generate import generate
-from tiderl_jax.model.hf_io import load_hf_checkpoint
-from tiderl_jax.model.sharding import data_sharding, init_sharded, make_mesh
-from tiderl_jax.model.tokenizer import Tokenizer
+from tiderl_jax.model.sharding import data_sharding
 
 _CONFIG = config_lib.define_config_flag("configs/tiny.py")
-
-
-def build(cfg):
-    """(mesh, rules, tokenizer, model) from a config; raises ConfigError on bad input."""
-    rules = config_lib.sharding_rules(cfg)
-    mesh = make_mesh(cfg.mesh)
-    tokenizer = (Tokenizer.from_file(cfg.tokenizer.path, eos_token=cfg.tokenizer.eos_token)
-                 if cfg.tokenizer.path else Tokenizer.builtin())
-    model_cfg = config_lib.model_config(cfg)
-    if cfg.checkpoint:  # the architecture comes from the checkpoint; config.model gives the dtypes
-        model = load_hf_checkpoint(cfg.checkpoint, mesh=mesh, rules=rules, dtype=model_cfg.dtype,
-                                   param_dtype=model_cfg.param_dtype)
-    else:
-        model = init_sharded(lambda: Decoder(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh, rules)
-    if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
-                          f"{model.cfg.vocab_size}; raise config.model.vocab_size")
-    return mesh, rules, tokenizer, model
 
 
 def main(argv):
@@ -50,7 +29,7 @@ def main(argv):
     cfg = _CONFIG.value
     config_lib.apply_platform_settings(cfg)
     try:
-        mesh, rules, tokenizer, model = build(cfg)
+        mesh, rules, tokenizer, model = config_lib.build(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -2,8 +2,6 @@
 mesh, ERS moves devices, RA2P chooses, and a run resumes from its checkpoint."""
 
 import asyncio
-import dataclasses
-import logging
 
 import jax
 import numpy as np

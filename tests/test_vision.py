@@ -12,7 +12,7 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from engine_reference import full_logits, greedy, token_logprobs
+from engine_reference import greedy, token_logprobs
 from tiderl_jax.engine.engine import Engine, EngineConfig, Request, Status
 from tiderl_jax.engine.sampling import RequestError, SamplingParams
 from tiderl_jax.model import chat

@@ -8,10 +8,14 @@ typed values (`ModelConfig`, a mesh, a rule table). The skeleton is locked by th
 
 from __future__ import annotations
 
+from flax import nnx
 from ml_collections import ConfigDict
 
 from tiderl_jax.model.config import ConfigError, ModelConfig
-from tiderl_jax.model.sharding import DEFAULT_RULES, rules_from_config
+from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.model.hf_io import load_hf_checkpoint
+from tiderl_jax.model.sharding import DEFAULT_RULES, init_sharded, make_mesh, rules_from_config
+from tiderl_jax.model.tokenizer import Tokenizer
 
 
 def base_config() -> ConfigDict:
@@ -107,3 +111,21 @@ def apply_platform_settings(c: ConfigDict) -> None:
 
     if c.cpu_devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", int(c.cpu_devices))
+
+
+def build(cfg):
+    """(mesh, rules, tokenizer, model) from a config; raises ConfigError on bad input."""
+    rules = sharding_rules(cfg)
+    mesh = make_mesh(cfg.mesh)
+    tokenizer = (Tokenizer.from_file(cfg.tokenizer.path, eos_token=cfg.tokenizer.eos_token)
+                 if cfg.tokenizer.path else Tokenizer.builtin())
+    model_cfg = model_config(cfg)
+    if cfg.checkpoint:  # the architecture comes from the checkpoint; config.model gives the dtypes
+        model = load_hf_checkpoint(cfg.checkpoint, mesh=mesh, rules=rules, dtype=model_cfg.dtype,
+                                   param_dtype=model_cfg.param_dtype)
+    else:
+        model = init_sharded(lambda: Decoder(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh, rules)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
+                          f"{model.cfg.vocab_size}; raise config.model.vocab_size")
+    return mesh, rules, tokenizer, model

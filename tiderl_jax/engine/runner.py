@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from tiderl_jax.engine.paged_attention import PagedKV, write_pages
 from tiderl_jax.engine.sampling import row_keys, sample
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import spec_for
+from tiderl_jax.model.sharding import place_copy, spec_for
 
 
 def bucket(n: int, buckets) -> int:
@@ -149,10 +149,11 @@ class ModelRunner:
         self.compile_s = 0.0  # wall time of calls that compiled a new program
 
     def set_params(self, params) -> None:
-        """New weights (an nnx.State like the model's), placed onto the engine's shardings."""
-        if self.param_shardings is not None:
-            params = jax.device_put(params, self.param_shardings)
-        self.params = params
+        """New weights (an nnx.State like the model's), copied onto the engine's shardings: the
+        engine never shares buffers with a trainer, which donates its parameters at every step."""
+        target = self.param_shardings if self.param_shardings is not None else jax.tree.map(
+            lambda x: x.sharding, self.params)
+        self.params = place_copy(params, target)
 
     def compile_count(self) -> int:
         """Distinct device programs this runner has run (one compilation each, at most)."""

@@ -191,3 +191,12 @@ def data_sharding(mesh: Mesh, rules: Rules, shape: Sequence[int],
                   names: Sequence[str | None] = ("batch", "seq")) -> NamedSharding:
     """Sharding of an activation-like input (tokens, positions) of `shape` named `names`."""
     return NamedSharding(mesh, spec_for(shape, names, rules, mesh))
+
+
+def place_copy(tree, shardings):
+    """`tree` on `shardings`, in buffers of its own. `jax.device_put` may hand back buffers shared
+    with the source (same layout, or a replicated leaf whose target devices already hold a
+    replica), and a train step that donates its parameters would then delete them under whoever
+    shares them (a rollout engine, a reference model)."""
+    moved = jax.device_put(tree, shardings)
+    return jax.jit(lambda t: jax.tree.map(lambda x: x.copy(), t), out_shardings=shardings)(moved)

@@ -44,7 +44,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import DEFAULT_RULES, ActivationSharding, Rules, spec_for, state_shardings
+from tiderl_jax.model.sharding import (DEFAULT_RULES, ActivationSharding, Rules, place_copy, spec_for,
+                                       state_shardings)
 from tiderl_jax.rl import losses
 from tiderl_jax.rl.advantages import GROUP_ESTIMATORS, gae, token_level_rewards
 from tiderl_jax.rl.batch import PackedBatch, pack
@@ -257,12 +258,14 @@ class Trainer:
                  mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES, ref_params=None):
         self.config = config
         self.mesh, self.rules = mesh, rules
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, params = nnx.split(model)
+        # Our own copy: the train step donates its parameters, which must not be the caller's.
+        self.params = place_copy(params, jax.tree.map(lambda x: x.sharding, params))
         self.patch_dim = model.cfg.image_patch_dim  # packs trajectories with images (0: text-only)
         # The reference model: a second parameter set of the same family; with a KL term and none
         # given, a frozen copy of the starting policy (the usual choice).
         if ref_params is None and config.loss.kl_coef > 0:
-            ref_params = jax.tree.map(jnp.copy, self.params)
+            ref_params = place_copy(self.params, jax.tree.map(lambda x: x.sharding, self.params))
         self.ref_params = ref_params
         # PPO with GAE: a value head on the policy's trunk, trained with it (one optimizer state).
         self.value_graphdef, self.value_params = None, None

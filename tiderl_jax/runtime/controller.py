@@ -51,7 +51,7 @@ from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.engine.engine import Engine, EngineConfig
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, make_mesh
+from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, make_mesh, place_copy
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.policies import ers, ra2p, staleness
 from tiderl_jax.rl.checkpoint import Checkpointer
@@ -144,7 +144,8 @@ class Controller:
         self.trainer = Trainer(model_on(graphdef, params, train_mesh, rules), trainer_config,
                                mesh=train_mesh, rules=rules)
         if self.trainer.ref_params is None:  # RA2P needs a reference model: the starting policy
-            self.trainer.ref_params = jax.tree.map(lambda x: x.copy(), self.trainer.params)
+            self.trainer.ref_params = place_copy(self.trainer.params, jax.tree.map(lambda x: x.sharding,
+                                                                                   self.trainer.params))
         self.ref_scorer = (Scorer(model_on(graphdef, params, ref_mesh, rules), trainer_config,
                                   mesh=ref_mesh, rules=rules) if ref_mesh is not None else None)
         self.engine = Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)
@@ -331,7 +332,7 @@ class Controller:
         """Starts from these weights (the warm start): the actor, the reference model and the
         rollout engine all take them (version 0)."""
         def place(tree, like):
-            return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, like))
+            return place_copy(tree, jax.tree.map(lambda x: x.sharding, like))
         self.trainer.params = place(params, self.trainer.params)
         self.trainer.ref_params = place(params, self.trainer.ref_params)
         if self.ref_scorer is not None:
@@ -369,9 +370,7 @@ class Controller:
             self.trainer.value_params = arrays["value"]
         self.step, self.version, self.cursor = meta["step"], meta["version"], meta["cursor"]
         self.trainer.step_count = self.step
-        self.engine.update_params(jax.device_put(self.trainer.params, self.engine.runner.param_shardings)
-                                  if self.engine.runner.param_shardings is not None else self.trainer.params,
-                                  self.version)
+        self.engine.update_params(self.trainer.params, self.version)  # the engine copies them
         for g in meta["ready"]:
             group = _Group(g["gid"], Task(**g["task"]), [Trajectory.from_dict(t) for t in g["trajectories"]],
                            arrived=time.perf_counter())

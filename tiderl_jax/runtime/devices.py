@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tiderl_jax.model.config import ConfigError
-from tiderl_jax.model.sharding import ActivationSharding, Rules, make_mesh, state_shardings
+from tiderl_jax.model.sharding import ActivationSharding, Rules, make_mesh, place_copy, state_shardings
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,9 @@ class DevicePool:
 
 
 def reshard(tree, mesh: Mesh, rules: Rules):
-    """Places an nnx.State (params, or anything with `axes` metadata) on `mesh` by the rules."""
-    return jax.device_put(tree, state_shardings(tree, mesh, rules))
+    """A copy of an nnx.State (params, or anything with `axes` metadata) on `mesh` by the rules
+    (never the same buffers: a trainer donates its parameters at every step)."""
+    return place_copy(tree, state_shardings(tree, mesh, rules))
 
 
 def model_on(graphdef, params, mesh: Mesh, rules: Rules):
@@ -126,7 +127,8 @@ class WeightSync:
             stage = "drain"
             drain()
             stage = "move"
-            moved = jax.block_until_ready(jax.device_put(params, shardings))
+            # a copy even where the layouts match (sync mode): the trainer donates its buffers
+            moved = jax.block_until_ready(place_copy(params, shardings))
             stage = "publish"
             swap(moved, version)
             rec = SyncRecord(version, True, time.perf_counter() - t0, stage)

@@ -1,0 +1,37 @@
+"""The main job's CPU default: supervised warm start, then TideRL GRPO on built-in agentic tasks.
+
+`configs/tiny.py`'s 3.25M-parameter model on 8 faked CPU devices, cut into device groups of 2:
+rollout 2 groups (4 devices), reference 1, train 1; ERS moves groups between rollout and train.
+Environment latency is real waiting (log-normal, median 0.3 s). Sized to finish in about 10 minutes
+on a 2-core machine; every key can be overridden with `--config.x.y=v`.
+"""
+
+import importlib.util
+import pathlib
+
+from ml_collections import ConfigDict
+
+_spec = importlib.util.spec_from_file_location("tiny", pathlib.Path(__file__).with_name("tiny.py"))
+tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny)
+
+
+def get_config():
+    c = tiny.get_config()
+    c.logdir = "runs/tiny_agentic"
+    c.tasks = ("calculator",)
+    c.latency = ConfigDict({"median_s": 0.3, "sigma": 1.0, "max_s": 5.0})
+    c.sft = ConfigDict({"steps": 150, "batch_size": 16, "learning_rate": 2e-3, "log_every": 25})
+    c.eval = ConfigDict({"tasks": 32})
+    c.controller = ConfigDict({
+        "mode": "tiderl", "steps": 20, "groups_per_step": 4, "group_size": 8, "eta": 1,
+        "max_concurrent": 48, "device_group_size": 2, "rollout_groups": 2, "ref_groups": 1,
+        "train_groups": 1, "tensor": 2, "ers_patience": 2, "ers_cooldown": 3, "checkpoint_every": 5})
+    c.engine = ConfigDict({"page_size": 16, "num_pages": 2048, "max_seq_len": 1024, "max_running": 64,
+                           "prefill_chunk": 512, "prefill_budget": 2048, "max_prefill_rows": 16,
+                           "decode_steps": 8})
+    c.rollout = ConfigDict({"max_turns": 4, "max_new_tokens": 48, "max_context": 1024, "temperature": 1.0})
+    c.trainer = ConfigDict({"learning_rate": 3e-4, "warmup_steps": 2, "row_len": 1024, "micro_rows": 8,
+                            "grad_clip": 1.0, "weight_decay": 0.0})
+    c.loss = ConfigDict({"advantage_estimator": "grpo", "kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28})
+    return c

@@ -1,0 +1,129 @@
+"""The main job: supervised warm start, then RL (TideRL GRPO by default) on built-in agentic tasks.
+
+    python launch/train.py --config=configs/tiny_agentic.py [--config.controller.mode=sync]
+
+Steps: build the model and tokenizer from the config; if the log directory holds a checkpoint,
+resume from it (the warm start is part of it); otherwise run the SFT warm start on the tasks'
+demonstrations and checkpoint it. Measure held-out reward, run the controller (rollout, scoring,
+training, weight sync, ERS), measure held-out reward again, and print the summary (held-out reward
+before/after, goodput, waiting, KV hit rate) and the path of the timeline PNG.
+
+Ctrl-C saves a checkpoint (the ready buffer and the in-flight groups included) and exits with
+status 130; running the same command again resumes.
+"""
+
+import asyncio
+import dataclasses
+import json
+import logging as pylogging
+import os
+import sys
+import time
+
+import jax
+from absl import app, logging
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tiderl_jax import config as config_lib  # noqa: E402
+from tiderl_jax.agents.env import LatencyModel  # noqa: E402
+from tiderl_jax.agents.rollout import RolloutConfig  # noqa: E402
+from tiderl_jax.engine.engine import Engine, EngineConfig  # noqa: E402
+from tiderl_jax.model.config import ConfigError  # noqa: E402
+from tiderl_jax.rl import evaluate, sft  # noqa: E402
+from tiderl_jax.rl.losses import from_config_dict  # noqa: E402
+from tiderl_jax.rl.trainer import Trainer, TrainerConfig  # noqa: E402
+from tiderl_jax.runtime.controller import Controller, ControllerConfig  # noqa: E402
+
+_CONFIG = config_lib.define_config_flag("configs/tiny_agentic.py")
+
+
+def _configs(cfg):
+    """Typed configs from the ConfigDict; ConfigError names a bad key or value."""
+    try:
+        controller = ControllerConfig(**{**cfg.controller.to_dict(), "task_kinds": tuple(cfg.tasks)})
+        trainer = TrainerConfig(loss=from_config_dict(cfg.loss), total_steps=max(controller.steps, 2),
+                                temperature=cfg.rollout.temperature, **cfg.trainer.to_dict())
+        engine = EngineConfig(**cfg.engine.to_dict())
+        rollout = RolloutConfig(**cfg.rollout.to_dict())
+    except TypeError as e:  # an unknown key in one of the sections
+        raise ConfigError(f"config: {e}") from None
+    return controller, trainer, engine, rollout
+
+
+def _heldout(engine: Engine, tokenizer, cfg, rollout: RolloutConfig) -> dict:
+    greedy = dataclasses.replace(rollout, temperature=0.0, mode="request")
+    return {kind: evaluate.heldout_reward(engine, tokenizer, kind, cfg.eval.tasks, greedy)
+            for kind in cfg.tasks}
+
+
+def main(argv):
+    del argv
+    cfg = _CONFIG.value
+    config_lib.apply_platform_settings(cfg)
+    pylogging.getLogger("absl").setLevel(pylogging.WARNING)  # orbax's per-save chatter
+    logging.set_verbosity(logging.INFO)
+    pylogging.getLogger("tiderl_jax").setLevel(pylogging.INFO)
+    try:
+        mesh, rules, tokenizer, model = config_lib.build(cfg)
+        ccfg, tcfg, ecfg, rcfg = _configs(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    os.makedirs(cfg.logdir, exist_ok=True)
+    t_start = time.perf_counter()
+    latency = LatencyModel(**cfg.latency.to_dict())
+    controller = Controller(model, tokenizer, config=ccfg, engine_config=ecfg, rollout_config=rcfg,
+                            trainer_config=tcfg, latency=latency, logdir=cfg.logdir, rules=rules)
+    state_path = os.path.join(cfg.logdir, "run_state.json")
+    if controller.restore():
+        with open(state_path) as f:
+            before = json.load(f)["heldout_before"]
+        print(f"resumed from {cfg.logdir} at step {controller.step}")
+    else:
+        warm = Trainer(model, dataclasses.replace(tcfg, learning_rate=cfg.sft.learning_rate,
+                                                  total_steps=cfg.sft.steps), mesh=mesh, rules=rules)
+        with controller.metrics.span("train", "sft"):
+            curve = sft.warm_start(warm, tokenizer, cfg.tasks, cfg.sft.steps, cfg.sft.batch_size,
+                                   seed=cfg.seed, log_every=cfg.sft.log_every)
+        logging.info("warm start: NLL %.3f -> %.3f over %d steps", curve[0], curve[-1], len(curve))
+        controller.load_policy(warm.params)
+        with controller.metrics.span("rollout", "eval"):
+            before = _heldout(controller.engine, tokenizer, cfg, rcfg)
+        with open(state_path, "w") as f:
+            json.dump({"heldout_before": before}, f)
+        controller.save(wait=True)  # step 0: a resume skips the warm start
+    logging.info("held-out reward before RL: %s", before)
+    try:
+        summary = asyncio.run(controller.run())
+    except KeyboardInterrupt:
+        print(f"\ninterrupted at step {controller.step}: checkpoint saved in {cfg.logdir}/checkpoints; "
+              f"run the same command to resume")
+        sys.exit(130)
+    with controller.metrics.span("rollout", "eval"):
+        after = _heldout(controller.engine, tokenizer, cfg, rcfg)
+    png = controller.metrics.plot_timeline(os.path.join(cfg.logdir, "timeline.png"))
+    controller.metrics.close()
+    controller.checkpointer.close()
+    total = time.perf_counter() - t_start
+    rows = [("mode", ccfg.mode), ("updates", summary["steps"]),
+            ("held-out reward before", " ".join(f"{k} {v:.3f}" for k, v in before.items())),
+            ("held-out reward after", " ".join(f"{k} {v:.3f}" for k, v in after.items())),
+            ("goodput", f"{summary['goodput_tokens_per_s']:.0f} tokens/s, "
+                        f"{summary['goodput_samples_per_s']:.2f} samples/s"),
+            ("step time", f"{summary['step_time_s']:.2f}s"),
+            ("waiting (device-s)", f"rollout {summary['rollout_wait_s']:.0f}, trainer {summary['trainer_wait_s']:.0f}"),
+            ("KV hit rate", f"{summary['kv_hit_rate']:.3f}"),
+            ("staleness (lag: tokens)", summary["staleness"]),
+            ("ERS moves", summary["moves"]), ("discarded samples", summary["discarded"]),
+            ("wall time", f"{total:.0f}s (this invocation)"), ("timeline", png),
+            ("metrics", f"{cfg.logdir}/metrics.jsonl, TensorBoard events in {cfg.logdir}")]
+    width = max(len(k) for k, _ in rows)
+    print("\n" + "\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    with open(os.path.join(cfg.logdir, "summary.json"), "w") as f:
+        json.dump(dict(summary, heldout_before=before, heldout_after=after, wall_s=total), f, indent=1)
+    print(f"devices: {len(jax.devices())} {jax.devices()[0].platform}")
+
+
+if __name__ == "__main__":
+    app.run(main)

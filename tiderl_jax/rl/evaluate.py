@@ -1,0 +1,53 @@
+"""Rolling out the current policy on built-in tasks: GRPO groups for training, held-out success.
+
+Both go through the real rollout path (the `Engine` with the policy's current weights, driven by a
+`RolloutRunner`: multi-turn, tools, rewards from the task's environment), so what is measured is
+what the system trains on.
+
+- `sample_groups`: G samples of each task, one GRPO group per task. Each sample gets its own task id
+  (`<task_id>#<i>`): the rollout loop derives a sample's random seed from its task id, so copies
+  with one id would all sample the same response (and the group would have no reward variance).
+- `heldout_reward`: mean reward over the first N held-out tasks of a kind (generator seed `seed`,
+  the "heldout" split, which no training step draws from), greedy (temperature 0) or sampled with
+  `samples` responses per task. For binary rewards that is the success rate.
+
+A fresh `RolloutRunner` per call keeps group ids and metrics per call; the engine (and its compiled
+programs and prefix cache) is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import statistics
+import zlib
+from typing import Sequence
+
+from tiderl_jax.agents import tasks
+from tiderl_jax.agents.env import Task
+from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
+from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.engine.engine import Engine
+from tiderl_jax.model.tokenizer import Tokenizer
+
+
+def _make_env(task: Task):
+    return tasks.make_env(task, seed=zlib.crc32(task.task_id.encode()))
+
+
+def sample_groups(engine: Engine, tokenizer: Tokenizer, group_tasks: Sequence[Task], group_size: int,
+                  config: RolloutConfig) -> list[Trajectory]:
+    """`group_size` rollouts of every task (group id = the task's position); trajectories in order."""
+    work = [(dataclasses.replace(task, task_id=f"{task.task_id}#{i}"), g)
+            for g, task in enumerate(group_tasks) for i in range(group_size)]
+    runner = RolloutRunner(engine, tokenizer, config)
+    return asyncio.run(runner.run(work, _make_env))
+
+
+def heldout_reward(engine: Engine, tokenizer: Tokenizer, kind: str, num_tasks: int,
+                   config: RolloutConfig, *, samples: int = 1, seed: int = 0) -> float:
+    """Mean reward of the policy on held-out tasks 0..num_tasks-1 of `kind` (temperature and seed
+    from `config`; with temperature 0 use samples=1: greedy rollouts of a task are identical)."""
+    heldout = [tasks.make_task(kind, i, "heldout", seed) for i in range(num_tasks)]
+    trajectories = sample_groups(engine, tokenizer, heldout, samples, config)
+    return statistics.fmean(t.reward for t in trajectories)
