@@ -164,3 +164,13 @@ def test_a_group_of_one_task_gives_distinct_reproducible_samples():
     gens = [[x for x, m in zip(t.tokens, t.loss_mask) if m] for t in first]
     assert len({tuple(g) for g in gens}) == 3  # each sample has its own seed
     assert [t.tokens for t in first] == [t.tokens for t in again]  # and the seeds are reproducible
+
+
+def test_context_limit_truncates_before_the_observation_that_does_not_fit():
+    runner = RolloutRunner(_engine(), TOK, RolloutConfig(max_turns=8, max_new_tokens=20, temperature=0.0,
+                                                         max_context=400))
+    trajs = asyncio.run(runner.run(TASKS, T.make_env))
+    assert all(len(t.tokens) <= 400 for t in trajs)
+    limited = [t for t in trajs if t.end_reason == "context_limit"]
+    assert limited and all(t.failure is None for t in limited)
+    assert all(t.loss_mask[-1] for t in limited)  # each ends with the model's turn, not a cut observation

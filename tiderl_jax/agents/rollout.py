@@ -24,8 +24,10 @@ offsets. CTB passes the new observation's spans to `Engine.resume`; the baseline
 whole context with all its spans. A model that cannot take an image (text-only, or another patch
 shape) fails that task with `engine_error`, the reason stated.
 
-Truncation policy: a task whose context plus one more turn's budget would exceed `max_context`
-ends with `end_reason="context_limit"` and reward 0, keeping what it generated.
+Truncation policy: a task whose context plus the next observation plus one more turn's budget
+would exceed `max_context` ends with `end_reason="context_limit"` and reward 0, keeping what it
+generated (the observation that does not fit is not appended), so no trajectory is longer than
+`max_context` and the trainer never has to cut one.
 Failures: an environment exception or timeout ends the task (`env_error` / `env_timeout`, reward 0,
 the reason recorded); a refused engine request ends it with `engine_error`. Other tasks go on.
 """
@@ -259,6 +261,9 @@ class RolloutRunner:
                     obs, obs_images = self._encode_observation(closing, as_observation(result.observation))
                 except (RequestError, ValueError) as e:
                     return self._fail(traj, s, "engine_error", str(e))
+                if len(traj.tokens) + len(obs) + cfg.max_new_tokens > cfg.max_context:
+                    traj.end_reason = "context_limit"  # the observation and a next turn do not fit
+                    break
                 traj.extend(obs, generated=False, images=obs_images)
                 s.turns_done += 1
                 s.tokens_added = len(traj.tokens) - len(context)

@@ -88,8 +88,12 @@ class RunMetrics:
             self.step_times.append(now - self.last_step_end)
         self.last_step_end = now
         self.steps = step
+        wait = self.waiting()
         values = dict(values, goodput_tokens_per_s=self.consumed_tokens / max(now, 1e-9),
-                      goodput_samples_per_s=self.consumed_samples / max(now, 1e-9), wall_s=now)
+                      goodput_samples_per_s=self.consumed_samples / max(now, 1e-9), wall_s=now,
+                      consumed_tokens=self.consumed_tokens, consumed_samples=self.consumed_samples,
+                      rollout_wait_total_s=wait.get("rollout", 0.0),
+                      trainer_wait_total_s=wait.get("train", 0.0) + wait.get("ref", 0.0))
         for k, v in values.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
                 self.writer.add_scalar(k, v, step)
