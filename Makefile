@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/python launch/sample.py --config=configs/tiny.py $(ARGS)
+	$(VENV)/bin/python launch/train.py --config=configs/tiny_agentic.py $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests $(ARGS)

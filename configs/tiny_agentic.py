@@ -1,9 +1,11 @@
 """The main job's CPU default: supervised warm start, then TideRL GRPO on built-in agentic tasks.
 
-`configs/tiny.py`'s 3.25M-parameter model on 8 faked CPU devices, cut into device groups of 2:
-rollout 2 groups (4 devices), reference 1, train 1; ERS moves groups between rollout and train.
-Environment latency is real waiting (log-normal, median 0.3 s). Sized to finish in about 10 minutes
-on a 2-core machine; every key can be overridden with `--config.x.y=v`.
+A 1.0M-parameter Qwen3-style model (configs/tiny.py's family at hidden 128: a train step is ~6x
+cheaper than the 3.25M tiny model's, which is what fits warm start + RL into 10 minutes on two
+cores; benchmarks/learning.py uses the same size) on 8 faked CPU devices, cut into device groups
+of 2: rollout 2 groups (4 devices), reference 1, train 1; ERS moves groups between rollout and
+train. Environment latency is real waiting (log-normal, median 0.3 s). Every key can be overridden
+with `--config.x.y=v`.
 """
 
 import importlib.util
@@ -18,10 +20,12 @@ _spec.loader.exec_module(tiny)
 
 def get_config():
     c = tiny.get_config()
+    c.model.update(hidden_size=128, intermediate_size=384, head_dim=32)
     c.logdir = "runs/tiny_agentic"
     c.tasks = ("calculator",)
     c.latency = ConfigDict({"median_s": 0.3, "sigma": 1.0, "max_s": 5.0})
-    c.sft = ConfigDict({"steps": 150, "batch_size": 16, "learning_rate": 2e-3, "log_every": 25})
+    c.sft = ConfigDict({"steps": 300, "batch_size": 16, "learning_rate": 3e-3, "row_len": 512,
+                        "log_every": 25})
     c.eval = ConfigDict({"tasks": 32})
     c.controller = ConfigDict({
         "mode": "tiderl", "steps": 20, "groups_per_step": 4, "group_size": 8, "eta": 1,

@@ -46,9 +46,12 @@ def _configs(cfg):
                                 temperature=cfg.rollout.temperature, **cfg.trainer.to_dict())
         engine = EngineConfig(**cfg.engine.to_dict())
         rollout = RolloutConfig(**cfg.rollout.to_dict())
-    except TypeError as e:  # an unknown key in one of the sections
+        warm = dataclasses.replace(trainer, learning_rate=cfg.sft.learning_rate, row_len=cfg.sft.row_len,
+                                   warmup_steps=min(trainer.warmup_steps, max(cfg.sft.steps - 1, 0)),
+                                   total_steps=max(cfg.sft.steps, 1))
+    except (TypeError, ValueError) as e:  # an unknown key in a section, or a refused value
         raise ConfigError(f"config: {e}") from None
-    return controller, trainer, engine, rollout
+    return controller, trainer, engine, rollout, warm
 
 
 def _heldout(engine: Engine, tokenizer, cfg, rollout: RolloutConfig) -> dict:
@@ -66,7 +69,7 @@ def main(argv):
     pylogging.getLogger("tiderl_jax").setLevel(pylogging.INFO)
     try:
         mesh, rules, tokenizer, model = config_lib.build(cfg)
-        ccfg, tcfg, ecfg, rcfg = _configs(cfg)
+        ccfg, tcfg, ecfg, rcfg, sft_cfg = _configs(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -81,8 +84,7 @@ def main(argv):
             before = json.load(f)["heldout_before"]
         print(f"resumed from {cfg.logdir} at step {controller.step}")
     else:
-        warm = Trainer(model, dataclasses.replace(tcfg, learning_rate=cfg.sft.learning_rate,
-                                                  total_steps=cfg.sft.steps), mesh=mesh, rules=rules)
+        warm = Trainer(model, sft_cfg, mesh=mesh, rules=rules)
         with controller.metrics.span("train", "sft"):
             curve = sft.warm_start(warm, tokenizer, cfg.tasks, cfg.sft.steps, cfg.sft.batch_size,
                                    seed=cfg.seed, log_every=cfg.sft.log_every)

@@ -35,3 +35,17 @@ def test_bad_values_and_checkpoints_are_named_errors():
     assert r.returncode == 2 and "tokenizer has 265 ids but model.vocab_size is 256" in r.stderr
     r = _run("--config.checkpoint=/nonexistent/dir")
     assert r.returncode == 2 and "no config.json" in r.stderr
+
+
+def _train(*args, timeout=300):
+    return subprocess.run([sys.executable, "launch/train.py", "--config=configs/tiny_agentic.py", *args],
+                          cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_job_refuses_bad_settings_by_name(tmp_path):
+    r = _train(f"--config.logdir={tmp_path}", "--config.controller.mode=fast")
+    assert r.returncode == 2 and "controller.mode='fast' is not one of" in r.stderr
+    r = _train(f"--config.logdir={tmp_path}", "--config.loss.clip_low=1.5")
+    assert r.returncode == 2 and "clip_low=1.5" in r.stderr
+    r = _train(f"--config.logdir={tmp_path}", "--config.trainer.learning_rat=1")
+    assert r.returncode == 2 and "config.trainer has no key 'learning_rat'" in r.stderr
