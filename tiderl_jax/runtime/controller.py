@@ -216,17 +216,26 @@ class Controller:
         group.trajectories.sort(key=lambda t: t.info["sample"])
         self.running -= group.launched
         del self.in_flight[group.gid]
-        eta = self.cfg.staleness.eta
-        fresh = [t for t in group.trajectories if staleness.is_fresh(t.versions, self.version, eta)]
-        self.discarded += len(group.trajectories) - len(fresh)
-        group.trajectories = fresh
+        self._drop_stale(group)
         group.arrived = time.perf_counter()
-        if fresh:
-            self.accepted += len(fresh)
+        if group.trajectories:
+            self.accepted += len(group.trajectories)
             if self.ref_scorer is not None and self.ra2p_mode == ra2p.DECOUPLED:
                 group.ref_job = asyncio.ensure_future(self._score_ref(group))
             self.ready.append(group)
         self._wake.set()
+
+    def _drop_stale(self, group: _Group) -> int:
+        """Drops the group's samples whose oldest token is more than eta versions behind now;
+        returns how many."""
+        eta = self.cfg.staleness.eta
+        fresh = [t for t in group.trajectories if staleness.is_fresh(t.versions, self.version, eta)]
+        dropped = len(group.trajectories) - len(fresh)
+        self.discarded += dropped
+        group.trajectories = fresh
+        if dropped:
+            self._wake.set()  # capacity freed: the producer replaces them
+        return dropped
 
     async def _score_ref(self, group: _Group):
         with self.metrics.span("ref", "score"):
@@ -244,12 +253,17 @@ class Controller:
         t0 = time.perf_counter()
         ras = min(len(self.ready), self.cfg.groups_per_step)
         hol = t0 - self.ready[0].arrived if self.ready else 0.0
-        arrivals = []
-        while len(self.ready) < self.cfg.groups_per_step:
-            self._wake.clear()
-            await self._wake.wait()
-            arrivals.append(time.perf_counter())
-        batch = [self.ready.popleft() for _ in range(self.cfg.groups_per_step)]
+        arrivals, batch = [], []
+        while len(batch) < self.cfg.groups_per_step:
+            while not self.ready:
+                self._wake.clear()
+                await self._wake.wait()
+                arrivals.append(time.perf_counter())
+            group = self.ready.popleft()
+            # it may have aged in the buffer since it arrived; what is dropped now is replaced
+            self.accepted -= self._drop_stale(group)
+            if group.trajectories:
+                batch.append(group)
         waited = time.perf_counter() - t0
         gaps = np.diff([t0] + arrivals) if arrivals else []
         if len(gaps):
