@@ -24,11 +24,11 @@ def get_config():
     c.logdir = "runs/tiny_agentic"
     c.tasks = ("calculator",)
     c.latency = ConfigDict({"median_s": 0.3, "sigma": 1.0, "max_s": 5.0})
-    c.sft = ConfigDict({"steps": 300, "batch_size": 16, "learning_rate": 3e-3, "row_len": 512,
+    c.sft = ConfigDict({"steps": 200, "batch_size": 16, "learning_rate": 3e-3, "row_len": 512,
                         "log_every": 25})
-    c.eval = ConfigDict({"tasks": 32})
+    c.eval = ConfigDict({"tasks": 16})
     c.controller = ConfigDict({
-        "mode": "tiderl", "steps": 20, "groups_per_step": 4, "group_size": 8, "eta": 1,
+        "mode": "tiderl", "steps": 8, "groups_per_step": 4, "group_size": 4, "eta": 1,
         "max_concurrent": 48, "device_group_size": 2, "rollout_groups": 2, "ref_groups": 1,
         "train_groups": 1, "tensor": 2, "ers_patience": 2, "ers_cooldown": 3, "checkpoint_every": 5})
     c.engine = ConfigDict({"page_size": 16, "num_pages": 2048, "max_seq_len": 1024, "max_running": 64,

@@ -401,6 +401,8 @@ class Controller:
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> dict:
+        if self.metrics.steps == 0:
+            self.metrics.begin()
         self.runner.step_span = lambda: self.metrics.span("rollout", "generate")
         await self.runner.start(self._make_env, lambda t: self.latency)
         producer = asyncio.create_task(self._produce())

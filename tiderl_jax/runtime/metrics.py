@@ -54,6 +54,14 @@ class RunMetrics:
         self.last_step_end = None
         self.steps = 0
 
+    def begin(self) -> None:
+        """Starts the clock of the run proper (what came before, e.g. a warm start, is not in it)."""
+        self.t0 = time.perf_counter()
+        self.spans.clear()
+        self.busy_device_s.clear()
+        self.device_s.clear()
+        self._held_since = {lane: 0.0 for lane in self.devices}
+
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
