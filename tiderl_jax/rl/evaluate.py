@@ -4,9 +4,8 @@ Both go through the real rollout path (the `Engine` with the policy's current we
 `RolloutRunner`: multi-turn, tools, rewards from the task's environment), so what is measured is
 what the system trains on.
 
-- `sample_groups`: G samples of each task, one GRPO group per task. Each sample gets its own task id
-  (`<task_id>#<i>`): the rollout loop derives a sample's random seed from its task id, so copies
-  with one id would all sample the same response (and the group would have no reward variance).
+- `sample_groups`: G samples of each task, one GRPO group per task (the rollout loop gives each
+  sample of a group its own sampling seed, from the config's seed, the task id and the sample index).
 - `heldout_reward`: mean reward over the first N held-out tasks of a kind (generator seed `seed`,
   the "heldout" split, which no training step draws from), greedy (temperature 0) or sampled with
   `samples` responses per task. For binary rewards that is the success rate.
@@ -18,7 +17,6 @@ programs and prefix cache) is shared.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import statistics
 import zlib
 from typing import Sequence
@@ -38,8 +36,7 @@ def _make_env(task: Task):
 def sample_groups(engine: Engine, tokenizer: Tokenizer, group_tasks: Sequence[Task], group_size: int,
                   config: RolloutConfig) -> list[Trajectory]:
     """`group_size` rollouts of every task (group id = the task's position); trajectories in order."""
-    work = [(dataclasses.replace(task, task_id=f"{task.task_id}#{i}"), g)
-            for g, task in enumerate(group_tasks) for i in range(group_size)]
+    work = [(task, g) for g, task in enumerate(group_tasks) for _ in range(group_size)]
     runner = RolloutRunner(engine, tokenizer, config)
     return asyncio.run(runner.run(work, _make_env))
 

@@ -59,11 +59,13 @@ def train_tasks(kinds: Sequence[str], start: int, count: int, seed: int) -> list
 
 
 def warm_start(trainer: Trainer, tokenizer: Tokenizer, kinds: Sequence[str], num_steps: int,
-               batch_size: int, seed: int = 0, log_every: int = 10) -> list[float]:
+               batch_size: int, seed: int = 0, log_every: int = 10, first_task: int = 0) -> list[float]:
     """`num_steps` SFT steps, each on `batch_size` fresh demonstrations; returns the NLL per step.
 
-    Logs every `log_every` steps: the step, the mean NLL since the last line, steps/s and tokens/s
-    (all tokens of the packed demonstrations, prompt included, as the forward pass computes them).
+    Step i trains on tasks `first_task + i * batch_size, ...` of the stream, so a warm start split
+    into several calls (passing on `first_task`) sees the same data as one call. Logs every
+    `log_every` steps: the step, the mean NLL since the last line, steps/s and tokens/s (all
+    tokens of the packed demonstrations, prompt included, as the forward pass computes them).
     """
     if not kinds or num_steps < 0 or batch_size < 1:
         raise ValueError(f"warm_start needs task kinds, num_steps >= 0 and batch_size >= 1; got "
@@ -73,7 +75,7 @@ def warm_start(trainer: Trainer, tokenizer: Tokenizer, kinds: Sequence[str], num
     t_last, tokens_since = time.perf_counter(), 0
     for step in range(num_steps):
         demos = [demonstration_trajectory(t, tokenizer)
-                 for t in train_tasks(kinds, step * batch_size, batch_size, seed)]
+                 for t in train_tasks(kinds, first_task + step * batch_size, batch_size, seed)]
         packed = pack(demos, row_len=cfg.row_len, micro_rows=cfg.micro_rows)
         for i, reason in packed.dropped:
             log.warning("demonstration %s left out of the SFT step: %s", demos[i].task_id, reason)
