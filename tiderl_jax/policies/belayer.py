@@ -35,8 +35,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Sequence
-
+from collections.abc import Sequence
 
 # ----------------------------------------------------------------------------------- health
 
