@@ -1,0 +1,279 @@
+"""Environments in subprocesses: snapshots, crash and timeout detection, and recovery by restore and
+rewind. Subprocesses are SIGKILLed at random turns of real built-in tasks; every episode must end
+with the same observations and reward as an unfaulted run."""
+
+import asyncio
+import functools
+import os
+import random
+import signal
+import threading
+
+import fault_envs
+import pytest
+
+from tiderl_jax.agents import tasks as T
+from tiderl_jax.agents.env import LatencyModel, Task
+from tiderl_jax.faults.env_worker import (
+    CheckpointConfig,
+    CheckpointingEnv,
+    EnvError,
+    EnvRewound,
+    EnvWorker,
+    restore_env,
+    snapshot_env,
+)
+from tiderl_jax.faults.errors import (
+    SnapshotError,
+    TaskDropped,
+    WorkerCrashed,
+    WorkerTimeout,
+)
+from tiderl_jax.model import chat
+from tiderl_jax.policies import belayer
+
+
+def _script(task):
+    """A scripted 'model': a malformed call, an answer before any tool (sent back), an unknown tool,
+    then the demonstration's turns (5 turns for calculator, 6 for lookup)."""
+    demo = [chat.render([m])[len(f"{chat.TURN_START}assistant\n"):]
+            for m in T.demonstration(task) if m.role == "assistant"]
+    return (["<tool_call>{not json</tool_call>", "It is 7.",
+             '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'] + demo)
+
+
+async def _episode(env, task, turns, kill=None, before_step=None):
+    """Runs the scripted turns, following rewinds. Returns (observations, reward, rewinds)."""
+    history = [await env.reset(task)]
+    rewinds = []
+    turn = 0
+    while True:
+        if before_step is not None:
+            await before_step(turn)
+        try:
+            result = await env.step(turns[turn])
+        except EnvRewound as rw:
+            rewinds.append(rw.turn)
+            assert rw.turn <= turn and rw.observation == history[rw.turn]
+            history, turn = history[:rw.turn + 1], rw.turn
+            continue
+        turn += 1
+        history.append(result.observation)
+        if result.done:
+            return history, result.reward, rewinds
+
+
+def _unfaulted(task, make_env=T.make_env, turns=None):
+    env = make_env(task)
+    return asyncio.run(_episode(env, task, turns or _script(task)))[:2]
+
+
+# ----------------------------------------------------------------------------------- snapshots in process
+
+
+@pytest.mark.parametrize("kind", ["calculator", "lookup", "python", "visual"])
+def test_snapshot_restore_of_built_in_environments(kind):
+    task = T.make_task(kind, 2)
+
+    async def go():
+        env = T.make_env(task, latency=LatencyModel(0.0), seed=5)
+        await env.reset(task)
+        await env.step("<tool_call>{bad</tool_call>")
+        await env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+        state = snapshot_env(env)
+        fresh = T.make_env(task, seed=99)
+        restore_env(fresh, state)
+        assert (fresh.task, fresh.tool_calls, fresh.malformed_turns) == (task, 1, 1)
+        assert fresh.rng.getstate() == env.rng.getstate()
+        assert set(fresh.tools) == set(env.tools)  # code rebuilt by make_env, not pickled
+        answer = "I give up"
+        a, b = await env.step(answer), await fresh.step(answer)
+        assert (a.done, a.reward, a.observation) == (b.done, b.reward, b.observation)
+    asyncio.run(go())
+
+
+def test_unpicklable_state_is_named():
+    env = fault_envs.make_locked(Task("t", "count", "p", "", {}))
+    with pytest.raises(SnapshotError, match="'guard'.*lock.*snapshot_state"):
+        snapshot_env(env)
+
+
+# ----------------------------------------------------------------------------------- EnvWorker
+
+
+def test_worker_matches_in_process_env_and_reports_env_errors():
+    task = Task("count/1", "count", "p", "", {"steps": 3})
+    want = _unfaulted(task, fault_envs.make_counting, ["a", "b", "c"])
+
+    async def go():
+        w = EnvWorker(fault_envs.make_counting, timeout_s=10)
+        try:
+            got = (await _episode(w, task, ["a", "b", "c"]))[:2]
+            assert got == want
+            await w.reset(task)
+            with pytest.raises(EnvError, match="(?s)KeyError: .no such thing.*in the subprocess"):
+                await w.step("raise")
+            assert w.alive()  # an environment error is not a crash
+        finally:
+            w.close()
+    asyncio.run(go())
+
+
+def test_worker_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="picklable"):
+        EnvWorker(lambda task: None)
+    with pytest.raises(ValueError, match="'fork' is not one of"):
+        EnvWorker(start_method="fork")
+    with pytest.raises(ValueError, match="CheckpointConfig.mode='sometimes'"):
+        CheckpointConfig(mode="sometimes")
+
+
+def test_worker_crash_and_timeout_are_typed_infrastructure_failures(tmp_path):
+    task = Task("count/2", "count", "p", "", {"steps": 5, "hang_marker": str(tmp_path / "hang"), "hang_at": 2})
+
+    async def go():
+        w = EnvWorker(fault_envs.make_counting, timeout_s=1.0)
+        try:
+            await w.reset(task)
+            os.kill(w.pid, signal.SIGKILL)
+            with pytest.raises(WorkerCrashed, match="exit code -9 during step") as e:
+                await w.step("a")
+            assert e.value.kind == belayer.SANDBOX_CRASH
+            w.restart()
+            await w.reset(task)
+            await w.step("a")
+            with pytest.raises(WorkerTimeout, match="longer than 1.0s") as e:
+                await w.step("b")  # step 2 hangs
+            assert e.value.kind == belayer.TIMEOUT and not w.alive()
+        finally:
+            w.close()
+    asyncio.run(go())
+
+
+# ----------------------------------------------------------------------------------- CheckpointingEnv
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # the episode ended first
+        pass
+
+
+def _faulted(task, make_env, config, seed, turns=None, during=False):
+    """One episode with SIGKILLs at random turns (before the step, or while it runs)."""
+    turns = turns or _script(task)
+    rng = random.Random(seed)
+    kill_at = sorted(rng.sample(range(len(turns)), 2))
+    env = CheckpointingEnv(make_env, config)
+    fired = set()
+
+    async def before_step(turn):
+        if turn in kill_at and turn not in fired:
+            fired.add(turn)
+            if during:  # lands in the step (its tool latency), or in the snapshot after it
+                threading.Timer(rng.uniform(0.0, 0.04), _kill, (env.worker.pid,)).start()
+            else:  # the first kill may catch a snapshot in flight; the second lets it finish
+                if turn == kill_at[1]:
+                    await env.settle()
+                os.kill(env.worker.pid, signal.SIGKILL)
+    try:
+        history, reward, rewinds = asyncio.run(_episode(env, task, turns, before_step=before_step))
+        return history, reward, rewinds, env.stats
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("kind", ["calculator", "lookup"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_killed_at_random_turns_restores_and_matches_unfaulted(kind, seed):
+    task = T.make_task(kind, seed)
+    want = _unfaulted(task)
+    history, reward, rewinds, stats = _faulted(task, T.make_env, CheckpointConfig(mode="always"), seed)
+    assert (history, reward) == want and reward == 1.0
+    assert stats["failures"] == 2 == len(rewinds) == stats["restores"] + stats["redos"]
+    assert stats["restores"] >= 1 and stats["checkpoints"] >= 1  # the second kill (turn >= 1) restores
+
+
+@pytest.mark.parametrize("kind", ["calculator", "lookup"])
+def test_killed_during_steps_with_latency(kind):
+    make = functools.partial(T.make_env, latency=LatencyModel(median_s=0.02, sigma=0.5), seed=3)
+    task = T.make_task(kind, 7)
+    want = _unfaulted(task, make)
+    for seed in range(3):
+        history, reward, rewinds, stats = _faulted(task, make, CheckpointConfig(mode="always"), seed,
+                                                   during=True)
+        assert (history, reward) == want
+        assert stats["failures"] == len(rewinds) <= 2
+
+
+def test_state_is_restored_not_replayed():
+    # CountingEnv's observations show its step count and RNG draws: a restore that lost either
+    # (or a redo that skipped turns) would change them.
+    task = Task("count/3", "count", "p", "", {"steps": 6})
+    turns = ["a", "b", "c", "d", "e", "f"]
+    want = _unfaulted(task, fault_envs.make_counting, turns)
+    history, reward, _, stats = _faulted(task, fault_envs.make_counting,
+                                         CheckpointConfig(mode="always"), 4, turns)
+    assert (history, reward) == want and reward == 6.0
+    assert stats["restores"] >= 1
+
+
+def test_without_checkpoints_episodes_redo_from_turn_zero():
+    task = T.make_task("lookup", 4)
+    want = _unfaulted(task)
+    history, reward, rewinds, stats = _faulted(task, T.make_env, CheckpointConfig(mode="never"), 5)
+    assert (history, reward) == want
+    assert rewinds == [0, 0] and stats["redos"] == 2 and stats["checkpoints"] == 0
+
+
+def test_timeout_is_recovered(tmp_path):
+    task = Task("count/4", "count", "p", "", {"steps": 4, "hang_marker": str(tmp_path / "hang"), "hang_at": 3})
+    turns = ["a", "b", "c", "d"]
+    plain = Task("count/4", "count", "p", "", {"steps": 4})
+    want = _unfaulted(plain, fault_envs.make_counting, turns)
+    env = CheckpointingEnv(fault_envs.make_counting, CheckpointConfig(mode="always", step_timeout_s=1.0))
+    try:
+        history, reward, rewinds = asyncio.run(_episode(env, task, turns))
+    finally:
+        env.close()
+    assert (history, reward) == want and rewinds == [2]
+    assert env.failures[0][1] == belayer.TIMEOUT
+
+
+def test_retry_budget_drops_the_task_with_a_reason():
+    task = T.make_task("calculator", 1)
+    env = CheckpointingEnv(T.make_env, CheckpointConfig(mode="always", max_retries=1))
+
+    async def kill_every_time(turn):
+        if turn >= 1:
+            os.kill(env.worker.pid, signal.SIGKILL)
+    try:
+        with pytest.raises(TaskDropped, match="retry budget of 1 exhausted after 1 retries") as e:
+            asyncio.run(_episode(env, task, _script(task), before_step=kill_every_time))
+    finally:
+        env.close()
+    assert e.value.kind == belayer.SANDBOX_CRASH and env.stats["failures"] == 2
+
+
+def test_belayer_rule_decides_the_checkpoints():
+    task = Task("count/5", "count", "p", "", {"steps": 5})
+    turns = list("abcde")
+
+    def run(config, generate_s):
+        env = CheckpointingEnv(fault_envs.make_counting, config)
+
+        async def generating(turn):  # the model's generation, which a snapshot overlaps
+            await asyncio.sleep(generate_s)
+        try:
+            asyncio.run(_episode(env, task, turns, before_step=generating))
+        finally:
+            env.close()
+        return env.stats
+    # no failure expected and a visible cost: never checkpoint
+    never = run(CheckpointConfig(p_fail=0.0, checkpoint_s_guess=10.0), 0.0)
+    assert never["checkpoints"] == 0
+    # a sure failure and a snapshot far shorter than the generation it overlaps: checkpoint at every
+    # boundary (4 boundaries before the last step, which ends the episode), none of it waited for
+    always = run(CheckpointConfig(p_fail=1.0, checkpoint_s_guess=0.0), 0.3)
+    assert always["checkpoints"] == 4 and always["checkpoint_wait_s"] < always["checkpoint_s"] + 0.3

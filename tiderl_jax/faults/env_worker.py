@@ -1,0 +1,468 @@
+"""Environments in subprocesses, their snapshots, and recovery from a crash by restore and rewind.
+
+MECHANISMS.md §5 (Belayer, environment failure). Two layers:
+
+- `EnvWorker`: one agentic `Environment` (`agents/env.py`) run in a child process behind the same
+  async `reset` / `step` interface, plus `snapshot()` / `restore(snapshot)` of its state. The child
+  is started from a clean interpreter (`forkserver` by default, or `spawn`; never a fork of a
+  process that has initialised JAX) and builds the environment with `make_env(task)` (a picklable
+  callable; default `tasks.make_env`). Every call waits on the reply *and* the child's process
+  sentinel: a child that dies raises `WorkerCrashed` (kind `sandbox_crash`), a call that outlives
+  `timeout_s` kills the child and raises `WorkerTimeout` (kind `timeout`). An exception raised by
+  the environment itself is re-raised as `EnvError` with the child's traceback (not an
+  infrastructure failure: the same call would fail again).
+- `CheckpointingEnv`: an `EnvWorker` that snapshots at safe turn boundaries and recovers. After a
+  step returns (the environment has answered; the model now generates its next turn), it decides
+  with `belayer.should_checkpoint(p_fail, redo_cost, checkpoint_s, overlap_s)` whether to take a
+  snapshot, and takes it in the background, overlapped with that generation; the next `step` waits
+  for it first (only what outlasts the generation is visible). `redo_cost` is the measured
+  environment plus generation seconds of the turns since the last snapshot, `checkpoint_s` the last
+  snapshot's measured time, `overlap_s` the mean generation time so far. When a step (or a pending
+  snapshot) finds the child dead or hung, it asks `belayer.decide_retry` (the budget is
+  `max_retries` recoveries per episode): it restarts the child, restores the last snapshot (or
+  resets the task: turn 0) and raises `EnvRewound(turn, observation, attempt)`; the caller cuts its
+  trajectory back to just after that turn's observation and generates from there. Past the budget
+  it raises `TaskDropped` with the reason. A crash during `reset` is retried the same way, silently
+  (there is nothing to rewind).
+
+Snapshot format (`snapshot_env` / `restore_env`): an environment with `snapshot_state()` and
+`restore_state(state)` methods gives its own picklable state. Otherwise its state is its instance
+attributes, each pickled, except code (functions, bound methods, and mappings of them: the tools
+and score function), which `make_env(task)` rebuilds; restore builds a fresh environment with
+`make_env(task)` and sets the attributes back. This covers every built-in task's environment
+(`ToolEnvironment` and its subclasses: task, RNG state, counters). An attribute that cannot be
+pickled (a lock, an open socket, a live process) raises `SnapshotError` naming it: such an
+environment needs the two methods, or runs with checkpoints off (`mode="never"`: redo from turn 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tiderl_jax.agents import tasks
+from tiderl_jax.agents.env import Environment, Observation, StepResult, Task
+from tiderl_jax.faults.errors import (
+    SnapshotError,
+    TaskDropped,
+    WorkerCrashed,
+    WorkerTimeout,
+)
+from tiderl_jax.policies import belayer
+
+START_METHODS = ("forkserver", "spawn")
+CHECKPOINT_MODES = ("belayer", "always", "never")
+
+
+class EnvError(RuntimeError):
+    """The environment raised inside its subprocess (the message carries the child's traceback)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSnapshot:
+    """An environment's state after `turn` completed steps (held by the parent, outlives the child)."""
+
+    task: Task
+    turn: int
+    state: bytes
+    observation: str | Observation | None  # what the model saw last at that turn
+
+
+# ----------------------------------------------------------------------------------- snapshots
+
+
+def _is_code(value: Any) -> bool:
+    if callable(value):
+        return True
+    return isinstance(value, Mapping) and bool(value) and all(callable(v) for v in value.values())
+
+
+def snapshot_env(env: Environment) -> bytes:
+    """The environment's state as bytes (see the module docstring for what counts as state)."""
+    if hasattr(env, "snapshot_state") and hasattr(env, "restore_state"):
+        return pickle.dumps(("custom", env.snapshot_state()))
+    try:
+        attrs = vars(env)
+    except TypeError:
+        raise SnapshotError(f"environment {type(env).__name__} has no instance attributes (__slots__?) "
+                            f"to snapshot; give it snapshot_state()/restore_state() methods") from None
+    state = {}
+    for name, value in attrs.items():
+        if _is_code(value):
+            continue  # tools, score: rebuilt by make_env(task)
+        try:
+            state[name] = pickle.dumps(value)
+        except Exception as e:  # noqa: BLE001 - pickling raises TypeError, PicklingError, AttributeError, ...
+            raise SnapshotError(
+                f"environment {type(env).__name__}: attribute {name!r} ({type(value).__name__}) cannot "
+                f"be pickled ({type(e).__name__}: {e}); give the environment snapshot_state()/"
+                f"restore_state() methods, or run it with checkpoints off (mode='never')") from None
+    return pickle.dumps(("attrs", state))
+
+
+def restore_env(env: Environment, state: bytes) -> None:
+    """Sets a freshly built environment (`make_env(task)`) back to a snapshot's state."""
+    kind, payload = pickle.loads(state)
+    if kind == "custom":
+        env.restore_state(payload)
+        return
+    for name, value in payload.items():
+        setattr(env, name, pickle.loads(value))
+
+
+# ----------------------------------------------------------------------------------- the child
+
+
+def _serve(conn: multiprocessing.connection.Connection, make_env: Callable[[Task], Environment]) -> None:
+    """The child's loop: one request at a time, replies ("ok", seq, result) or ("error", seq, text)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop (Ctrl-C there)
+    loop = asyncio.new_event_loop()
+    env: Environment | None = None
+    while True:
+        try:
+            seq, op, arg = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if op == "reset":
+                env = make_env(arg)
+                result = loop.run_until_complete(env.reset(arg))
+            elif op == "restore":
+                task, state = arg
+                env = make_env(task)
+                restore_env(env, state)
+                result = None
+            elif env is None:
+                raise RuntimeError(f"{op} before reset")
+            elif op == "step":
+                result = loop.run_until_complete(env.step(arg))
+            elif op == "snapshot":
+                result = snapshot_env(env)
+            else:
+                raise RuntimeError(f"unknown request {op!r}")
+            conn.send(("ok", seq, result))
+        except Exception as e:  # noqa: BLE001 - the environment's own error goes back to the caller
+            conn.send(("error", seq, (type(e).__name__, isinstance(e, SnapshotError), str(e),
+                                      traceback.format_exc())))
+
+
+# ----------------------------------------------------------------------------------- EnvWorker
+
+
+class EnvWorker:
+    """One environment in a subprocess: async reset / step / snapshot / restore, crash and timeout
+    detection. Calls are serialised (one at a time); `restart()` replaces the child."""
+
+    def __init__(self, make_env: Callable[[Task], Environment] = tasks.make_env, *,
+                 timeout_s: float = 30.0, start_method: str = "forkserver"):
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not one of {START_METHODS} "
+                             f"(fork is unsafe once JAX has started threads)")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        try:
+            pickle.dumps(make_env)
+        except Exception as e:  # noqa: BLE001 - any pickling error means the same
+            raise ValueError(f"make_env {make_env!r} must be picklable (a module-level function or a "
+                             f"functools.partial of one) to reach the subprocess: {e}") from None
+        self.make_env = make_env
+        self.timeout_s = timeout_s
+        self._ctx = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":  # children fork with the task code imported (fast restarts);
+            self._ctx.set_forkserver_preload(["tiderl_jax.agents.tasks"])  # no effect once it runs
+        self._lock = asyncio.Lock()
+        self._seq = 0
+        self.starts = 0
+        self._proc = self._conn = None
+        self.start()
+
+    # ------------------------------------------------------------------ process
+
+    def start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_serve, args=(child, self.make_env), daemon=True,
+                                 name="tiderl-env-worker")
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        self.starts += 1
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    def kill(self) -> None:
+        """Ends the child now (SIGKILL) and waits for it."""
+        if self._proc is None:
+            return
+        if self._proc.is_alive():
+            try:
+                os.kill(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._proc.join(5)
+        self._conn.close()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        self.kill()
+        self._proc = None
+
+    # ------------------------------------------------------------------ calls
+
+    def _call_blocking(self, op: str, arg: Any, timeout_s: float) -> Any:
+        proc, conn = self._proc, self._conn
+        if proc is None:
+            raise RuntimeError("EnvWorker is closed")
+        self._seq += 1
+        seq = self._seq
+        try:
+            conn.send((seq, op, arg))
+        except (OSError, EOFError, ValueError):
+            raise self._crashed(op) from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            ready = multiprocessing.connection.wait([conn, proc.sentinel], max(0.0, left))
+            if not ready:
+                self.kill()
+                raise WorkerTimeout(f"environment {op} took longer than {timeout_s}s; its subprocess "
+                                    f"(pid {proc.pid}) was killed")
+            if not conn.poll():  # only the sentinel: the child ended without answering
+                raise self._crashed(op)
+            try:
+                status, reply_seq, payload = conn.recv()
+            except (EOFError, OSError):
+                raise self._crashed(op) from None
+            if reply_seq != seq:
+                continue  # the answer to an abandoned call
+            if status == "ok":
+                return payload
+            name, is_snapshot_error, message, tb = payload
+            if is_snapshot_error:
+                raise SnapshotError(message)
+            raise EnvError(f"environment {op} raised {name}: {message}\n--- in the subprocess ---\n{tb}")
+
+    def _crashed(self, op: str) -> WorkerCrashed:
+        proc = self._proc
+        proc.join(1)
+        return WorkerCrashed(belayer.SANDBOX_CRASH, f"environment subprocess (pid {proc.pid}) ended "
+                                                    f"with exit code {proc.exitcode} during {op}")
+
+    async def _call(self, op: str, arg: Any = None, timeout_s: float | None = None) -> Any:
+        async with self._lock:
+            try:
+                return await asyncio.to_thread(self._call_blocking, op, arg, timeout_s or self.timeout_s)
+            except asyncio.CancelledError:
+                self.kill()  # the child's state is unknown now; its next call reports a crash
+                raise
+
+    async def reset(self, task: Task) -> str | Observation:
+        return await self._call("reset", task)
+
+    async def step(self, action: str) -> StepResult:
+        return await self._call("step", action)
+
+    async def snapshot_bytes(self) -> bytes:
+        return await self._call("snapshot")
+
+    async def restore(self, task: Task, state: bytes) -> None:
+        await self._call("restore", (task, state))
+
+
+# ----------------------------------------------------------------------------------- CheckpointingEnv
+
+
+class EnvRewound(Exception):
+    """The environment crashed and was brought back to `turn` (completed steps): the caller cuts its
+    trajectory to just after that turn's `observation` and continues from there."""
+
+    def __init__(self, turn: int, observation: str | Observation | None, attempt: int, cause: Exception):
+        super().__init__(f"environment recovered at turn {turn} (attempt {attempt}) after {cause}")
+        self.turn, self.observation, self.attempt, self.cause = turn, observation, attempt, cause
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    mode: str = "belayer"  # "belayer": the cost rule; "always" / "never": every boundary / none
+    p_fail: float = 0.05  # probability that the environment fails before the next turn boundary
+    max_retries: int = 3  # recoveries (restore or redo) per episode before the task is dropped
+    step_timeout_s: float = 30.0  # a reset / step / snapshot / restore outliving this is a failure
+    checkpoint_s_guess: float = 0.005  # snapshot seconds assumed until one is measured
+
+    def __post_init__(self):
+        if self.mode not in CHECKPOINT_MODES:
+            raise ValueError(f"CheckpointConfig.mode={self.mode!r} is not one of {CHECKPOINT_MODES}")
+        if not 0.0 <= self.p_fail <= 1.0:
+            raise ValueError(f"CheckpointConfig.p_fail={self.p_fail} must be in [0, 1]")
+        if self.max_retries < 0:
+            raise ValueError(f"CheckpointConfig.max_retries={self.max_retries} must be >= 0")
+        if not self.step_timeout_s > 0 or not self.checkpoint_s_guess >= 0:
+            raise ValueError(f"CheckpointConfig: step_timeout_s={self.step_timeout_s} must be > 0 and "
+                             f"checkpoint_s_guess={self.checkpoint_s_guess} >= 0")
+
+
+class CheckpointingEnv:
+    """An `Environment` in a subprocess with Belayer checkpoints and crash recovery (module docstring)."""
+
+    def __init__(self, make_env: Callable[[Task], Environment] = tasks.make_env,
+                 config: CheckpointConfig = CheckpointConfig(), *, start_method: str = "forkserver"):
+        self.config = config
+        self.worker = EnvWorker(make_env, timeout_s=config.step_timeout_s, start_method=start_method)
+        self.task: Task | None = None
+        self.turn = 0  # completed steps of the current episode
+        self.attempts = 0  # recoveries so far in this episode
+        self.snapshot: EnvSnapshot | None = None  # the latest good snapshot
+        self._pending: asyncio.Task | None = None  # a snapshot being taken in the background
+        self._last_obs: str | Observation | None = None
+        self._first_obs: str | Observation | None = None
+        self._env_since: list[float] = []  # per turn since the last snapshot: environment seconds
+        self._gen_since: list[float] = []  # and generation seconds (between a step's return and the next call)
+        self._gen_all: list[float] = []
+        self._last_return = 0.0
+        self._checkpoint_s: float | None = None  # the last measured snapshot time
+        self.stats = {"checkpoints": 0, "checkpoint_s": 0.0, "checkpoint_wait_s": 0.0,
+                      "checkpoint_failures": 0, "restores": 0, "redos": 0, "failures": 0, "rewound_turns": 0}
+        self.failures: list[tuple[int, str, str]] = []  # (turn, kind, message) of each failure
+
+    # ------------------------------------------------------------------ Environment
+
+    async def reset(self, task: Task) -> str | Observation:
+        await self._drop_pending()
+        self.task, self.turn, self.attempts, self.snapshot = task, 0, 0, None
+        self._env_since, self._gen_since, self._gen_all = [], [], []
+        while True:
+            try:
+                obs = await self.worker.reset(task)
+                break
+            except (WorkerCrashed, WorkerTimeout) as e:
+                self._count_failure(e)
+                self.worker.restart()
+        self._first_obs = self._last_obs = obs
+        self._last_return = time.perf_counter()
+        return obs
+
+    async def step(self, action: str) -> StepResult:
+        if self.task is None:
+            raise RuntimeError("CheckpointingEnv: reset(task) before step")
+        called = time.perf_counter()
+        gen_s = called - self._last_return
+        await self._await_pending()
+        t0 = time.perf_counter()
+        try:
+            result = await self.worker.step(action)
+        except (WorkerCrashed, WorkerTimeout) as e:
+            await self._recover(e)  # raises EnvRewound or TaskDropped
+        env_s = time.perf_counter() - t0
+        self.turn += 1
+        self._env_since.append(env_s)
+        self._gen_since.append(gen_s)
+        self._gen_all.append(gen_s)
+        self._last_obs = result.observation
+        if not result.done and self._want_checkpoint():
+            self._pending = asyncio.create_task(self._take_snapshot(self.turn, result.observation))
+        self._last_return = time.perf_counter()
+        return result
+
+    async def settle(self) -> None:
+        """Waits for a snapshot being taken in the background (e.g. before a planned shutdown)."""
+        await self._await_pending()
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+        self.worker.close()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _want_checkpoint(self) -> bool:
+        if self.config.mode != "belayer":
+            return self.config.mode == "always"
+        checkpoint_s = self._checkpoint_s if self._checkpoint_s is not None else self.config.checkpoint_s_guess
+        overlap_s = statistics.fmean(self._gen_all) if self._gen_all else 0.0
+        return belayer.should_checkpoint(self.config.p_fail,
+                                         belayer.redo_cost(self._env_since, self._gen_since),
+                                         checkpoint_s, overlap_s)
+
+    async def _take_snapshot(self, turn: int, observation) -> None:
+        t0 = time.perf_counter()
+        state = await self.worker.snapshot_bytes()  # a crash here surfaces at the next step
+        self._checkpoint_s = time.perf_counter() - t0
+        self.snapshot = EnvSnapshot(self.task, turn, state, observation)
+        self._env_since, self._gen_since = [], []
+        self.stats["checkpoints"] += 1
+        self.stats["checkpoint_s"] += self._checkpoint_s
+
+    async def _await_pending(self) -> None:
+        if self._pending is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            await self._pending
+        except (WorkerCrashed, WorkerTimeout):
+            self.stats["checkpoint_failures"] += 1  # the step that follows finds the child dead
+        finally:
+            self._pending = None
+            self.stats["checkpoint_wait_s"] += time.perf_counter() - t0
+
+    async def _drop_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            try:
+                await self._pending
+            except (asyncio.CancelledError, WorkerCrashed, WorkerTimeout):
+                pass
+            self._pending = None
+            if not self.worker.alive():
+                self.worker.restart()
+
+    # ------------------------------------------------------------------ recovery
+
+    def _count_failure(self, e: WorkerCrashed | WorkerTimeout) -> None:
+        self.stats["failures"] += 1
+        self.failures.append((self.turn, e.kind, str(e)))
+        decision = belayer.decide_retry(e.kind, self.attempts, self.config.max_retries, str(e))
+        if decision.action == belayer.DROP:
+            self.worker.kill()
+            raise TaskDropped(decision.reason, e.kind) from e
+        self.attempts += 1
+
+    async def _recover(self, cause: WorkerCrashed | WorkerTimeout):
+        """Restarts the child at the last snapshot (or turn 0) and raises EnvRewound."""
+        while True:
+            self._count_failure(cause)  # raises TaskDropped past the budget
+            self.worker.restart()
+            try:
+                if self.snapshot is not None:
+                    await self.worker.restore(self.snapshot.task, self.snapshot.state)
+                    turn, obs = self.snapshot.turn, self.snapshot.observation
+                    self.stats["restores"] += 1
+                else:
+                    obs = await self.worker.reset(self.task)
+                    self._first_obs, turn = obs, 0
+                    self.stats["redos"] += 1
+                break
+            except (WorkerCrashed, WorkerTimeout) as e:
+                cause = e
+        self.stats["rewound_turns"] += self.turn - turn
+        self.turn = turn
+        self._env_since, self._gen_since = [], []
+        self._last_obs = obs
+        self._last_return = time.perf_counter()
+        raise EnvRewound(turn, obs, self.attempts, cause)
