@@ -5,7 +5,8 @@
 Workload (every parameter is a flag; defaults in brackets):
 - model: a 1.0M-parameter Qwen3-style decoder (hidden 128, 4 layers, vocab 384), the size
   benchmarks/learning.py found trainable in minutes here; warm-started once by SFT on the tasks'
-  demonstrations (`--sft-steps` [250]) and every mode starts from those weights;
+  demonstrations (`--sft-steps` [500] of `--sft-batch` [32]) and every mode starts from those
+  weights (cached in `--warm-cache` [.cache/goodput_warm], keyed by model, tasks and steps);
 - tasks: `calculator` and `lookup` (`--tasks`), up to `--max-turns` [8] turns of up to
   `--new-tokens` [32] tokens, contexts up to 1024 tokens (the truncation policy of the rollout loop
   ends a task that would pass it), environment latency log-normal with median `--latency-median` [0.3 s]
@@ -56,6 +57,7 @@ from tiderl_jax.model.config import ModelConfig  # noqa: E402
 from tiderl_jax.model.decoder import init_decoder  # noqa: E402
 from tiderl_jax.model.tokenizer import Tokenizer  # noqa: E402
 from tiderl_jax.rl import evaluate, sft  # noqa: E402
+from tiderl_jax.rl.checkpoint import Checkpointer  # noqa: E402
 from tiderl_jax.rl.losses import LossConfig  # noqa: E402
 from tiderl_jax.rl.trainer import Trainer, TrainerConfig  # noqa: E402
 from tiderl_jax.runtime.controller import Controller, ControllerConfig  # noqa: E402
@@ -110,11 +112,35 @@ def run_mode(mode: str, warm_params, tok, args) -> dict:
     return row
 
 
+def warm_start(tok, args):
+    """The SFT warm start every mode starts from; kept in `--warm-cache` (keyed by everything that
+    determines it), since it is the slowest part and the same for every run of these flags."""
+    warm = Trainer(init_decoder(MODEL, seed=0), TrainerConfig(
+        learning_rate=3e-3, warmup_steps=10, total_steps=max(args.sft_steps, 11), row_len=1024))
+    key = f"{MODEL.hidden_size}x{MODEL.num_layers}_{'-'.join(args.tasks)}_{args.sft_steps}x{args.sft_batch}"
+    cache = Checkpointer(os.path.join(args.warm_cache, key), keep=1, async_save=False)
+    if cache.latest_step() is not None:
+        arrays, meta = cache.restore(dict(params=warm.params))
+        print(f"warm start: restored {key} from {args.warm_cache} (NLL {meta['nll_first']:.3f} -> "
+              f"{meta['nll_last']:.3f})", flush=True)
+        cache.close()
+        return arrays["params"]
+    t0 = time.perf_counter()
+    curve = sft.warm_start(warm, tok, args.tasks, args.sft_steps, args.sft_batch, seed=0, log_every=10)
+    print(f"warm start: {args.sft_steps} SFT steps of {args.sft_batch}, NLL {curve[0]:.3f} -> "
+          f"{sum(curve[-10:]) / len(curve[-10:]):.3f}, {time.perf_counter() - t0:.0f}s", flush=True)
+    cache.save(args.sft_steps, dict(params=warm.params),
+               dict(nll_first=curve[0], nll_last=sum(curve[-10:]) / len(curve[-10:])))
+    cache.close()
+    return warm.params
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 updates per mode, 1 skipped, short SFT")
     p.add_argument("--json")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES,
+                   help="modes to run, in turn (none: only make the cached warm start)")
     p.add_argument("--tasks", nargs="+", default=["calculator", "lookup"])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2)
@@ -125,7 +151,10 @@ def main():
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--latency-median", type=float, default=0.3)
     p.add_argument("--latency-sigma", type=float, default=1.0)
-    p.add_argument("--sft-steps", type=int, default=250)
+    p.add_argument("--sft-steps", type=int, default=500)
+    p.add_argument("--sft-batch", type=int, default=32)
+    p.add_argument("--warm-cache", default=str(ROOT / ".cache" / "goodput_warm"),
+                   help="directory of cached warm starts")
     p.add_argument("--heldout", type=int, default=16)
     args = p.parse_args()
     if args.quick:
@@ -135,13 +164,8 @@ def main():
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("tiderl_jax").setLevel(logging.INFO)
     tok = Tokenizer.builtin()
-    t0 = time.perf_counter()
-    warm = Trainer(init_decoder(MODEL, seed=0), TrainerConfig(learning_rate=3e-3, warmup_steps=10,
-                                                              total_steps=max(args.sft_steps, 11), row_len=512))
-    curve = sft.warm_start(warm, tok, args.tasks, args.sft_steps, 16, seed=0, log_every=10)
-    print(f"warm start: {args.sft_steps} SFT steps, NLL {curve[0]:.3f} -> {curve[-1]:.3f}, "
-          f"{time.perf_counter() - t0:.0f}s", flush=True)
-    rows = [run_mode(m, warm.params, tok, args) for m in args.modes]
+    warm = warm_start(tok, args)
+    rows = [run_mode(m, warm, tok, args) for m in args.modes]
     print(f"\n{'mode':<8}{'goodput tok/s':>15}{'samples/s':>11}{'step s':>8}{'rollout wait':>14}"
           f"{'trainer wait':>14}{'hit rate':>10}{'held-out':>10}{'moves':>7}")
     for r in rows:

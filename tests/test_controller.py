@@ -62,11 +62,21 @@ def test_each_mode_trains_and_syncs(tmp_path, mode):
     assert lag <= c.cfg.staleness.eta  # nothing staler than the bound was consumed
     if mode == "sync":
         assert summary["staleness"].keys() == {0}
-    if mode == "tiderl":
-        assert summary["moves"] >= 1  # patience 1: the first starved step moves a group to rollout
-        assert c.engine.stats()["moves"] == summary["moves"]
-        rollout = set(c.pool.devices_of("rollout"))
-        assert set(jax.tree.leaves(c.engine.runner.params)[0].sharding.device_set) == rollout
+    if mode == "tiderl":  # every move ERS made paid for itself by its prediction
+        assert all(m["predicted_gain_s"] > m["predicted_cost_s"] for m in c.moves)
+
+
+def test_ers_moves_devices_and_results_stay_right(tmp_path):
+    # without the cost-benefit gate, patience 1 moves a group at the first deficit
+    c = _controller(tmp_path, "tiderl", ers_economics=False)
+    summary = asyncio.run(c.run())
+    assert summary["moves"] >= 1 and c.engine.stats()["moves"] == summary["moves"]
+    rollout = set(c.pool.devices_of("rollout"))
+    assert set(jax.tree.leaves(c.engine.runner.params)[0].sharding.device_set) == rollout
+    assert set(jax.tree.leaves(c.trainer.params)[0].sharding.device_set) == set(c.pool.devices_of("train"))
+    for a, b in zip(jax.tree.leaves(c.engine.runner.params), jax.tree.leaves(c.trainer.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert summary["steps"] == 3 and max(summary["staleness"]) <= c.cfg.staleness.eta
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path):

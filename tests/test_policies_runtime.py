@@ -7,8 +7,7 @@ import pytest
 
 from tiderl_jax.policies import ers, ra2p
 from tiderl_jax.policies.ers import ERSConfig, ERSHistory, ERSSignals, Move, decide
-from tiderl_jax.policies.ra2p import (RA2PSignals, choose_mode, colocated_cost, decoupled_cost,
-                                      estimate_bursts)
+from tiderl_jax.policies.ra2p import RA2PSignals, choose_mode
 from tiderl_jax.policies.staleness import capacity, is_fresh, staleness_config, version_lag
 
 # ---------------------------------------------------------------- staleness
@@ -83,64 +82,68 @@ def test_capacity_rejects_bad_input_by_name(kwargs, field):
 
 def _ra2p(**kw):
     base = dict(num_microbatches=4, ready_at_start=4, tprm_s=0.0, t_ref_s=1.0, t_act_s=3.0,
-                t_swap_s=2.0, ref_share=0.25, act_share=0.75, fill_drain_s=1.0)
+                t_swap_s=2.0, ref_share=0.25, act_share=0.75, fill_drain_s=0.0)
     return RA2PSignals(**(base | kw))
 
 
-def test_high_ras_goes_decoupled():
-    # all 4 ready, split 1:3 as the passes are: C_col = 1 burst * 2 + 4 * (1 + 3) = 18,
-    # C_dec = max(4 * 1 / 0.25, 4 * 3 / 0.75) + 1 = 17 (no swaps; only the pipeline fill/drain)
+def test_all_ready_goes_colocated_one_burst_on_all_devices():
+    # C_col = one swap 2 + 4 * (1 + 3) = 18. Decoupled: the ref stage takes 1 / 0.25 = 4 s and the
+    # actor 3 / 0.75 = 4 s per micro-batch: ref ends 4, 8, 12, 16; actor 8, 12, 16, 20.
     d = choose_mode(_ra2p())
-    assert (d.mode, d.cost_colocated, d.cost_decoupled) == ("decoupled", 18.0, 17.0)
+    assert (d.mode, d.cost_colocated, d.cost_decoupled) == ("colocated", 18.0, 20.0)
+    assert ra2p.colocated_replay(_ra2p()) == (18.0, 1)
 
 
-def test_low_ras_long_tprm_goes_colocated_when_the_split_is_slow():
-    # RAS 1, three late micro-batches 10 s apart; the decoupled split runs each side at half speed.
-    s = _ra2p(ready_at_start=1, tprm_s=10.0, t_ref_s=1.0, t_act_s=2.0, t_swap_s=0.5,
-              ref_share=0.5, act_share=0.5, fill_drain_s=6.0)
-    assert estimate_bursts(s) == 4  # each burst (0.5 + 3 s) ends before the next arrival
-    # C_col = 4 * 0.5 + 4 * 3 + 3 * 10 = 44; C_dec = max(8, 16) + 6 + 3 * (10 - 2) = 46
+def test_trickling_arrivals_go_decoupled():
+    # RAS 0, arrivals at 4, 8, 12, 16. Colocated: burst [0] 4 -> 10, burst [1] 10 -> 16, burst
+    # [2, 3] 16 -> 26 (three swaps). Decoupled: ref 8, 12, 16, 20; actor 12, 16, 20, 24.
+    s = _ra2p(ready_at_start=0, tprm_s=4.0)
     d = choose_mode(s)
-    assert (d.mode, d.cost_colocated, d.cost_decoupled) == ("colocated", 44.0, 46.0)
+    assert (d.mode, d.cost_colocated, d.cost_decoupled) == ("decoupled", 26.0, 24.0)
+    assert ra2p.colocated_replay(s)[1] == 3
 
 
-def test_fewer_ready_microbatches_never_favour_colocated():
-    # The §1b formulas: each late micro-batch costs colocated TPRM, decoupled max(0, TPRM - t_act).
-    slow_split = dict(tprm_s=10.0, t_ref_s=1.0, t_act_s=2.0, t_swap_s=0.5, ref_share=0.5,
-                      act_share=0.5, fill_drain_s=6.0)
-    gaps = [colocated_cost(s) - decoupled_cost(s)
-            for s in (_ra2p(ready_at_start=r, **slow_split) for r in range(4, -1, -1))]
-    assert gaps == sorted(gaps)
-    assert choose_mode(_ra2p(ready_at_start=4, **slow_split)).mode == "colocated"
+def test_the_choice_moves_towards_decoupled_as_fewer_are_ready_at_start():
+    # The paper's regimes: aggregation pays when the batch is ready, streaming when it trickles in.
+    choices = [choose_mode(_ra2p(ready_at_start=r, tprm_s=4.0)).mode for r in range(4, -1, -1)]
+    assert choices == ["colocated", "colocated", "colocated", "decoupled", "decoupled"]
+
+
+def test_slow_split_keeps_colocated_even_when_trickling():
+    # RAS 1, late ones 10 s apart, each colocated burst (0.5 + 3 s) ends before the next arrival:
+    # C_col = 30 + 3.5; the half-speed split: last arrival 30, ref + 2 = 32, actor + 4 = 36.
+    s = _ra2p(ready_at_start=1, tprm_s=10.0, t_ref_s=1.0, t_act_s=2.0, t_swap_s=0.5,
+              ref_share=0.5, act_share=0.5)
+    d = choose_mode(s)
+    assert (d.mode, d.cost_colocated, d.cost_decoupled) == ("colocated", 33.5, 36.0)
+    assert ra2p.colocated_replay(s)[1] == 4
 
 
 def test_a_tie_goes_to_the_stated_default():
-    # C_col = 1 * 1 + 2 * (1 + 1) = 5 = C_dec = max(2, 2) + 3
+    # C_col = 1 + 2 * (1 + 1) = 5; decoupled: ref 1, 2; actor 2, 3; + fill 2 = 5
     s = _ra2p(num_microbatches=2, ready_at_start=2, t_ref_s=1.0, t_act_s=1.0, t_swap_s=1.0,
-              ref_share=1.0, act_share=1.0, fill_drain_s=3.0)
+              ref_share=1.0, act_share=1.0, fill_drain_s=2.0)
     assert choose_mode(s) == ra2p.Decision(ra2p.TIE_MODE, 5.0, 5.0)
     assert ra2p.TIE_MODE == "colocated"
 
 
-def test_bursts_estimate_aggregates_what_arrived_meanwhile():
+def test_bursts_aggregate_what_arrived_meanwhile():
     # ready 2 at 0; late ones at 1, 2, 3, 4. Burst 1 (2 mbs): 0 -> 1 + 2 * 1.5 = 4; it finds the
-    # 4 late ones arrived: burst 2 takes all of them.
+    # 4 late ones arrived: burst 2 takes all of them (4 -> 4 + 1 + 6 = 11).
     s = _ra2p(num_microbatches=6, ready_at_start=2, tprm_s=1.0, t_ref_s=0.5, t_act_s=1.0, t_swap_s=1.0)
-    assert estimate_bursts(s) == 2
-    assert estimate_bursts(dataclasses.replace(s, ready_at_start=0, tprm_s=100.0)) == 6
-    assert estimate_bursts(dataclasses.replace(s, ready_at_start=0, tprm_s=0.0)) == 1
-    measured = dataclasses.replace(s, bursts=5)
-    assert colocated_cost(measured) == colocated_cost(s) + 3 * 1.0  # the given count wins
+    assert ra2p.colocated_replay(s) == (11.0, 2)
+    assert ra2p.colocated_replay(dataclasses.replace(s, ready_at_start=0, tprm_s=100.0))[1] == 6
+    assert ra2p.colocated_replay(dataclasses.replace(s, ready_at_start=0, tprm_s=0.0))[1] == 1
 
 
-def test_ras_above_m_is_clipped_and_m_zero_costs_nothing_but_the_fill():
+def test_ras_above_m_is_clipped_and_m_zero_costs_nothing_but_the_fixed_overhead():
     assert choose_mode(_ra2p(ready_at_start=9)) == choose_mode(_ra2p(ready_at_start=4))
-    d = choose_mode(_ra2p(num_microbatches=0, ready_at_start=3))
+    d = choose_mode(_ra2p(num_microbatches=0, ready_at_start=3, fill_drain_s=1.0))
     assert (d.mode, d.cost_colocated, d.cost_decoupled) == ("colocated", 0.0, 1.0)
 
 
 @pytest.mark.parametrize("field, value", [
-    ("ref_share", 0.0), ("act_share", 0.0), ("num_microbatches", -1), ("tprm_s", -1.0), ("bursts", -1),
+    ("ref_share", 0.0), ("act_share", 0.0), ("num_microbatches", -1), ("tprm_s", -1.0), ("fill_drain_s", -1.0),
 ])
 def test_ra2p_rejects_bad_signals_by_name(field, value):
     with pytest.raises(ValueError, match=field):
@@ -245,6 +248,60 @@ def test_cold_start_and_eval_maximise_rollout(phase):
     assert decide(_ers(phase=phase, **groups), history, config)[0] is None  # train at its minimum
 
 
+def _econ(**kw):
+    return ers.MoveEconomics(**(dict(train_busy_s=8.0, rollout_busy_s=3.0, move_cost_s=5.0,
+                                     horizon_steps=10) | kw))
+
+
+def test_a_move_must_pay_for_itself():
+    # backlog, trainer-bound: t = 8 on 2 groups -> 8 * 2/3; rollout r = 3 on 2 groups -> 6 on one.
+    # now max(8, 3) = 8, after max(5.33, 6) = 6: 2 s per step, 20 s over 10 steps > 5 s cost.
+    move, _ = decide(_ers(**BACKLOG), ERSHistory(), ONE_STEP, _econ())
+    assert move == Move("rollout", "train", "decoupled", "consumption deficit", 20.0, 5.0)
+    move, history = decide(_ers(**BACKLOG), ERSHistory(), ONE_STEP, _econ(move_cost_s=25.0))
+    assert move is None and "does not pay" in history.refused and history.consumption_streak == 1
+    move, _ = decide(_ers(**BACKLOG), ERSHistory(), ONE_STEP, _econ(horizon_steps=2))
+    assert move is None  # 4 s of gain left in the run
+
+
+def test_no_scaling_means_no_gain():
+    # fake devices that share the same cores: a group more computes nothing faster
+    assert ers.move_gain(_ers(**BACKLOG), _econ(scaling=0.0), "train") == 0.0
+    assert ers.move_gain(_ers(**STARVED), _econ(scaling=0.0), "rollout") == 0.0
+    assert decide(_ers(**BACKLOG), ERSHistory(), ONE_STEP, _econ(scaling=0.0))[0] is None
+
+
+def test_generation_deficit_gain_counts_the_slower_trainer():
+    # trainer computes 6 s and idles 4 s (R = 10), rollout computes 6 s. On 2 train groups, losing
+    # one doubles t to 12 > 10 now: a loss. On 3, t' = 9 and R' = 10 - 6 + 6 * 2/3 = 8: 1 s a step.
+    starved = _ers(**STARVED)
+    assert ers.move_gain(starved, _econ(train_busy_s=6.0, rollout_busy_s=6.0), "rollout") == -2.0
+    three = _ers(**STARVED, train_groups=3)
+    assert ers.move_gain(three, _econ(train_busy_s=6.0, rollout_busy_s=6.0), "rollout") == pytest.approx(1.0)
+    move, _ = decide(three, ERSHistory(), ONE_STEP, _econ(train_busy_s=6.0, rollout_busy_s=6.0))
+    assert move is not None and move.to_role == "rollout" and move.gain_s == pytest.approx(10.0)
+
+
+def test_phases_move_regardless_of_economics():
+    move, _ = decide(_ers(phase="eval"), ERSHistory(), ONE_STEP, _econ(move_cost_s=1e9))
+    assert move is not None and move.to_role == "rollout"
+
+
+@pytest.mark.parametrize("before, after, ratio, expected", [
+    (1, 2, 0.5, 1.0), (2, 3, 2 / 3, 1.0), (2, 1, 2.0, 1.0),  # linear
+    (2, 3, 1.0, 0.0), (2, 1, 1.0, 0.0),  # nothing changed: no scaling
+    (2, 3, 0.8, 1 / 3), (2, 3, 1.2, 0.0),  # partial; slower with more devices: clipped
+])
+def test_measured_scaling(before, after, ratio, expected):
+    assert ers.measured_scaling(before, after, ratio) == pytest.approx(expected)
+
+
+def test_measured_scaling_rejects_bad_input_and_keeps_the_prior_when_nothing_moved():
+    assert ers.measured_scaling(2, 2, 0.7, prior=0.4) == 0.4
+    with pytest.raises(ValueError, match="positive time ratio"):
+        ers.measured_scaling(2, 3, 0.0)
+
+
 def test_mode_names_match_ra2p():
     assert ers.RA2P_MODE_AFTER_MOVE_TO == {"rollout": ra2p.COLOCATED, "train": ra2p.DECOUPLED}
 
@@ -254,6 +311,8 @@ def test_mode_names_match_ra2p():
     (lambda: _ers(train_groups=-1), "train_groups"),
     (lambda: _ers(hol_latency_s=-1.0), "hol_latency_s"),
     (lambda: ERSConfig(patience=0), "patience"),
+    (lambda: _econ(scaling=1.5), "scaling"),
+    (lambda: _econ(move_cost_s=-1.0), "move_cost_s"),
     (lambda: ERSConfig(min_rollout_groups=0), "min_rollout_groups"),
     (lambda: ERSConfig(cooldown=-1), "cooldown"),
 ])

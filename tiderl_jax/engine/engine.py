@@ -86,6 +86,10 @@ class Request:
     priority: float = 0.0  # higher is kept longer under memory pressure
     keep_kv: bool = False  # at the end of a turn, pause with KV kept (for resume) instead of finishing
     images: Sequence[ImageSpan] = ()  # images among the prompt tokens (offsets into `prompt`)
+    # Sampling index of the first token to generate: a continuation of a generation that sampled
+    # n tokens elsewhere (a token checkpoint, `faults/engine_worker.py`) passes n, so its tokens
+    # draw the same random keys as the uninterrupted generation would have.
+    sample_offset: int = 0
 
 
 class Status(enum.Enum):
@@ -168,6 +172,7 @@ class Engine:
         self._row_buckets = pow2_buckets(min(8, config.max_running), config.max_running)
         self._prefill_row_buckets = pow2_buckets(1, min(config.max_prefill_rows, config.max_running))
         self._chunk_buckets = pow2_buckets(min(16, config.prefill_chunk), config.prefill_chunk)
+        self._compile_s_before_move = 0.0  # compile seconds of runners replaced by `move_to`
         self._counters = dict(steps=0, prefill_calls=0, decode_calls=0, prompt_tokens=0,
                               prompt_tokens_cached=0, prefill_tokens_computed=0, decode_tokens=0,
                               preemptions=0, evictions=0, requests=0, rejected=0, param_updates=0)
@@ -305,10 +310,16 @@ class Engine:
             seq.pages, seq.block_keys, seq.num_computed, seq.looked_up = [], [], 0, False
             if seq.status in (Status.PREFILLING, Status.RUNNING):
                 seq.status = Status.WAITING
+        self._compile_s_before_move += self.runner.compile_s
         self.runner = ModelRunner(model, num_pages=self.config.num_pages, page_size=self.config.page_size,
                                   attention_impl=self.config.attention_impl)
         self.pool = PagePool(self.config.num_pages, self.config.page_size)
         self._counters["moves"] = self._counters.get("moves", 0) + 1
+
+    @property
+    def compile_s(self) -> float:
+        """Wall seconds spent compiling device programs, over every mesh this engine ran on."""
+        return self._compile_s_before_move + self.runner.compile_s
 
     def get(self, handle: int) -> SequenceOutput:
         s = self._get(handle)
@@ -334,7 +345,7 @@ class Engine:
         c.update(pages_total=self.pool.num_pages - 1, pages_used=self.pool.num_used,
                  pages_cached=self.pool.num_cached, pages_free=self.pool.num_free - self.pool.num_cached,
                  prefix_evictions=self.pool.evictions, compilations=self.runner.compile_count(),
-                 compile_s=self.runner.compile_s,
+                 compile_s=self.compile_s,
                  version=self.version, uptime_s=time.perf_counter() - self._t0)
         return c
 
@@ -439,6 +450,8 @@ class Engine:
     def _add(self, request: Request, *, parent: int | None, seed_offset: int) -> int:
         try:
             request.sampling.validate(self.config.max_stop_ids)
+            if request.sample_offset < 0:
+                raise RequestError(f"sample_offset={request.sample_offset} must be >= 0")
             prompt = list(request.prompt)
             self._check_tokens(prompt, what="prompt")
             self._check_images(prompt, request.images, what="prompt images")
@@ -456,7 +469,7 @@ class Engine:
         seq = _Seq(id=self._next_id, tokens=[], model_mask=[], logp_sample=[], logp_model=[],
                    versions=[], sampling=sampling, priority=request.priority,
                    keep_kv=request.keep_kv, arrival=self._arrival(), parent=parent,
-                   submit_time=time.perf_counter(),
+                   submit_time=time.perf_counter(), num_sampled=request.sample_offset,
                    images=sorted(request.images, key=lambda im: im.offset))
         self._append(seq, prompt, generated=False)
         self._seqs[seq.id] = seq

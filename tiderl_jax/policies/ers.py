@@ -20,6 +20,13 @@ Rule (the paper's, with the thresholds and hysteresis ours, all in `ERSConfig`):
   (a phase change is an explicit event, not noisy signals).
 - a move never takes a role below its minimum (`min_rollout_groups`, `min_train_groups`, >= 1).
 
+- a move must pay for itself (ours, after BiDiRL's borrowing rule, MECHANISMS.md §3): when the
+  caller passes `MoveEconomics`, a deficit moves a group only if the predicted step-time gain over
+  the steps left exceeds the predicted move cost (reshard + recompile, measured), see `move_gain`.
+  The gain assumes a role's speed grows by `scaling` of linear per added group (1.0 until a move
+  has been measured, then `measured_scaling`): on devices that share hardware (this CPU's fake
+  devices) the first move measures ~0 and no further move is predicted to pay.
+
 State stays with the caller: it passes the `ERSHistory` returned by the previous boundary and gets
 the updated one back, so `decide` is a pure function.
 
@@ -77,11 +84,29 @@ class ERSSignals:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoveEconomics:
+    """What one move would cost and what it would buy (all measured by the caller)."""
+    train_busy_s: float  # seconds the train role computed during the last step
+    rollout_busy_s: float  # seconds the rollout role computed (engine steps) during the last step
+    move_cost_s: float  # predicted seconds of one move: reshard + recompiling on the new meshes
+    horizon_steps: int  # steps left in which a move's gain accrues
+    scaling: float = 1.0  # speed one more group adds to a role, as a fraction of linear scaling
+
+    def __post_init__(self):
+        for name in ("train_busy_s", "rollout_busy_s", "move_cost_s", "horizon_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ERS economics {name}={getattr(self, name)} must be >= 0")
+        if not 0.0 <= self.scaling <= 1.0:
+            raise ValueError(f"ERS economics scaling={self.scaling} must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
 class ERSHistory:
     generation_streak: int = 0  # consecutive boundaries with a generation deficit
     consumption_streak: int = 0  # consecutive boundaries with a consumption deficit
     last_move_to: str | None = None  # role the last move went to (None: no move yet)
     boundaries_since_move: int = 0
+    refused: str = ""  # why this boundary's wanted move did not happen ("" if none was wanted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +115,51 @@ class Move:
     to_role: str
     ra2p_mode: str  # the RA2P mode to run from the next step on
     reason: str  # "generation deficit", "consumption deficit", "cold_start" or "eval"
+    gain_s: float | None = None  # predicted step-time gain over the horizon (with economics)
+    cost_s: float | None = None  # predicted cost of the move (with economics)
+
+
+def _speed(groups: int, scaling: float) -> float:
+    """A role's speed on `groups` groups relative to one group."""
+    return 1.0 + scaling * (groups - 1)
+
+
+def move_gain(s: ERSSignals, e: MoveEconomics, to_role: str) -> float:
+    """Predicted seconds saved per step by moving one group to `to_role` (negative: a loss).
+
+    The step is bounded by the trainer's compute `t` and by the rollout's production time `R`
+    (`t + idle` when the trainer idled for data, else at least the rollout's compute `r`); only the
+    compute parts scale with devices:
+
+        t' = t * speed(n) / speed(n +- 1),  r' = r * speed(m) / speed(m -+ 1),
+        gain = max(t, R) - max(t', R - r + r')
+
+    with n, m the train and rollout groups now and speed(k) = 1 + scaling * (k - 1).
+    """
+    n, m, c = s.train_groups, s.rollout_groups, e.scaling
+    dn = 1 if to_role == TRAIN else -1
+    if n + dn < 1 or m - dn < 1:
+        return -float("inf")
+    t_new = e.train_busy_s * _speed(n, c) / _speed(n + dn, c)
+    r_new = e.rollout_busy_s * _speed(m, c) / _speed(m - dn, c)
+    t, r = e.train_busy_s, e.rollout_busy_s
+    production = t + s.trainer_idle_s if s.trainer_idle_s > 0 else r
+    return max(t, production) - max(t_new, production - r + r_new)
+
+
+def measured_scaling(groups_before: int, groups_after: int, time_ratio: float, prior: float = 1.0) -> float:
+    """The `scaling` that explains a role's compute time changing by `time_ratio` (after / before,
+    same work) when it went from `groups_before` to `groups_after` groups; clipped to [0, 1].
+
+    speed(b) / speed(a) = ratio  =>  scaling = (ratio - 1) / ((b - 1) - ratio * (a - 1)).
+    """
+    if groups_before < 1 or groups_after < 1 or not time_ratio > 0:
+        raise ValueError(f"measured_scaling needs groups >= 1 and a positive time ratio; got "
+                         f"{groups_before} -> {groups_after}, ratio {time_ratio}")
+    denominator = (groups_before - 1) - time_ratio * (groups_after - 1)
+    if groups_before == groups_after or denominator == 0:
+        return prior
+    return min(1.0, max(0.0, (time_ratio - 1.0) / denominator))
 
 
 def generation_deficit(s: ERSSignals, config: ERSConfig) -> bool:
@@ -100,9 +170,10 @@ def consumption_deficit(s: ERSSignals, config: ERSConfig) -> bool:
     return s.hol_latency_s > config.hol_fraction * s.step_time_s or s.ras > s.break_even_ras
 
 
-def decide(s: ERSSignals, history: ERSHistory = ERSHistory(),
-           config: ERSConfig = ERSConfig()) -> tuple[Move | None, ERSHistory]:
-    """At most one group move for this step boundary, and the history to pass to the next one."""
+def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig = ERSConfig(),
+           economics: MoveEconomics | None = None) -> tuple[Move | None, ERSHistory]:
+    """At most one group move for this step boundary, and the history to pass to the next one.
+    With `economics`, a deficit's move must also pay for itself (phases move regardless)."""
     groups = {ROLLOUT: s.rollout_groups, TRAIN: s.train_groups}
     minimum = {ROLLOUT: config.min_rollout_groups, TRAIN: config.min_train_groups}
     for role in (ROLLOUT, TRAIN):
@@ -127,7 +198,17 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(),
         return None, history
     from_role = TRAIN if to_role == ROLLOUT else ROLLOUT
     reversal = history.last_move_to == from_role and history.boundaries_since_move <= config.cooldown
-    if groups[from_role] <= minimum[from_role] or (reversal and s.phase == "train"):
-        return None, history
-    move = Move(from_role, to_role, RA2P_MODE_AFTER_MOVE_TO[to_role], reason)
+    if groups[from_role] <= minimum[from_role]:
+        return None, dataclasses.replace(history, refused=f"{reason}: {from_role} at its minimum")
+    if reversal and s.phase == "train":
+        return None, dataclasses.replace(history, refused=f"{reason}: reverse move within the cooldown")
+    gain = cost = None
+    if economics is not None and s.phase == "train":
+        gain = move_gain(s, economics, to_role) * economics.horizon_steps
+        cost = economics.move_cost_s
+        if not gain > cost:
+            return None, dataclasses.replace(
+                history, refused=f"{reason}: predicted gain {gain:.2f}s over {economics.horizon_steps} "
+                                 f"steps does not pay the move's {cost:.2f}s")
+    move = Move(from_role, to_role, RA2P_MODE_AFTER_MOVE_TO[to_role], reason, gain, cost)
     return move, ERSHistory(last_move_to=to_role)

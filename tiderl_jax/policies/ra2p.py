@@ -10,26 +10,31 @@ actor's forward/backward on it. Two modes (the paper's):
 
 Signals: M micro-batches per step; RAS (ready-at-start: micro-batches already in the ready buffer
 when the step starts); TPRM (mean inter-arrival time of the micro-batches after the start); measured
-per-micro-batch times `t_ref`, `t_act` (on the train group, ref and actor sharing it), the swap
-time `T_swap`, the decoupled split's speed shares `D_ref`, `D_act` and its pipeline fill/drain time.
+per-micro-batch times `t_ref`, `t_act` on the colocated devices, the swap time `T_swap`, and the
+speeds of the decoupled placement relative to the colocated one, `D_ref` (the ref on its own
+devices) and `D_act` (the actor on its devices), plus a fixed decoupled overhead (`fill_drain_s`:
+e.g. shipping ref log-probs between device sets).
 
-Rule (ours: the paper gives the modes, not the choice), with `late = M - min(RAS, M)` and
-`wait(n, tprm) = n * tprm`:
+Rule (ours: the paper gives the modes, not the choice): replay one step of each mode on the arrival
+model (the RAS ready micro-batches at time 0, the k-th late one at `k * TPRM`) and pick the one whose
+last actor pass ends first; a tie goes to colocated (`TIE_MODE`: one device set holds both weight
+sets, which leaves ERS free to lend the rest to rollout).
 
-    C_col = bursts * T_swap + M * (t_ref + t_act) + wait(late, TPRM)
-    C_dec = max(M * t_ref / D_ref, M * t_act / D_act) + fill_drain + late * max(0, TPRM - t_act)
+- colocated (aggregation): a burst starts when a micro-batch is waiting and the devices are free,
+  takes every micro-batch that has arrived, and costs `T_swap + n * (t_ref + t_act)`; what arrives
+  meanwhile waits for the next burst.
+- decoupled (streaming): a two-stage pipeline; micro-batch i leaves the ref stage at
+  `ref_i = max(arrival_i, ref_{i-1}) + t_ref / D_ref` and the actor at
+  `act_i = max(ref_i, act_{i-1}) + t_act / D_act`; cost `act_M + fill_drain_s`.
 
-pick the smaller; a tie goes to colocated (`TIE_MODE`: it holds one copy of the weights on one
-device set, which leaves ERS free to lend the rest to rollout). `bursts` is a signal when the
-runtime measured it (the last step's count), else `estimate_bursts` (ours) replays the aggregation
-loop on the arrival model: ready micro-batches arrive at time 0, the k-th late one at k * TPRM; a
-burst takes every micro-batch that has arrived when it starts (waiting for the next one when none
-has), costs `T_swap + n * (t_ref + t_act)`, and whatever arrives meanwhile waits for the next burst.
-
-Note on the formulas: one more late micro-batch costs colocated `TPRM` (plus maybe a burst) but
-decoupled only `max(0, TPRM - t_act)`, so lowering RAS or lengthening TPRM never moves the choice
-towards colocated. What makes colocated win here is a slow decoupled split (small `D_ref`, `D_act`)
-or a long fill/drain, not the RAS/TPRM regime the paper's prose associates with it.
+This gives the paper's regimes without tuning: with everything ready (high RAS) one colocated burst
+pays a single swap and runs both passes on all the devices, while the pipeline runs each pass on
+its share of them; with micro-batches trickling in (low RAS, TPRM below a burst's time) colocated
+pays a swap per burst and serialises ref and actor, while the pipeline overlaps them with the
+arrivals. (A first version summed closed-form terms, `C_dec = max(M t_ref / D_ref, M t_act / D_act)
++ fill_drain + late * max(0, TPRM - t_act)`; it charged colocated a full TPRM per late micro-batch
+but decoupled only the part not hidden by one actor pass, so fewer ready micro-batches could never
+move the choice towards decoupled's streaming: the replay replaced it.)
 
 Metric served: per-step training time (MECHANISMS.md §9); the runtime logs the choice and both costs
 every step.
@@ -49,13 +54,12 @@ class RA2PSignals:
     num_microbatches: int  # M: micro-batches the step consumes
     ready_at_start: int  # RAS: of those, ready when the step starts (clipped to M)
     tprm_s: float  # TPRM: mean inter-arrival time of the micro-batches after the start
-    t_ref_s: float  # ref pass of one micro-batch on the (shared) train group
-    t_act_s: float  # actor forward/backward of one micro-batch on the train group
-    t_swap_s: float  # one ref <-> actor weight swap
-    ref_share: float  # D_ref: the ref's speed in the decoupled split, relative to the whole group
-    act_share: float  # D_act: the actor's, likewise (e.g. 2 of 8 devices, linear scaling: 0.25)
-    fill_drain_s: float  # decoupled pipeline fill plus drain
-    bursts: int | None = None  # measured colocated bursts per step; None: `estimate_bursts`
+    t_ref_s: float  # ref pass of one micro-batch on the colocated devices
+    t_act_s: float  # actor forward/backward of one micro-batch on the colocated devices
+    t_swap_s: float  # one ref <-> actor weight swap (0 when both weight sets stay resident)
+    ref_share: float  # D_ref: the decoupled ref's speed relative to the colocated devices
+    act_share: float  # D_act: the decoupled actor's, likewise (1: it keeps the same devices)
+    fill_drain_s: float = 0.0  # fixed extra cost of the decoupled mode
 
     def __post_init__(self):
         for name in ("num_microbatches", "ready_at_start", "tprm_s", "t_ref_s", "t_act_s", "t_swap_s",
@@ -66,8 +70,6 @@ class RA2PSignals:
             if not getattr(self, name) > 0:
                 raise ValueError(f"RA2P signal {name}={getattr(self, name)} must be > 0: the decoupled "
                                  f"split needs devices for both the ref and the actor")
-        if self.bursts is not None and self.bursts < 0:
-            raise ValueError(f"RA2P signal bursts={self.bursts} must be >= 0 (or None to estimate)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,48 +79,40 @@ class Decision:
     cost_decoupled: float  # seconds
 
 
-def wait(n: int, tprm: float) -> float:
-    """Seconds until n more micro-batches have arrived."""
-    return n * tprm
-
-
-def late_microbatches(s: RA2PSignals) -> int:
-    """M - RAS: micro-batches that arrive after the step starts."""
-    return s.num_microbatches - min(s.ready_at_start, s.num_microbatches)
-
-
-def estimate_bursts(s: RA2PSignals) -> int:
-    """Colocated bursts in one step, replaying the aggregation loop on the arrival model (ours)."""
+def arrivals(s: RA2PSignals) -> list[float]:
+    """When each of the M micro-batches is ready, seconds after the step starts."""
     ras = min(s.ready_at_start, s.num_microbatches)
+    return [0.0 if i < ras else (i - ras + 1) * s.tprm_s for i in range(s.num_microbatches)]
 
-    def arrival(i: int) -> float:  # when micro-batch i (0-based) is ready
-        return 0.0 if i < ras else wait(i - ras + 1, s.tprm_s)
 
+def colocated_replay(s: RA2PSignals) -> tuple[float, int]:
+    """(seconds until the last actor pass ends, bursts) of the aggregation loop."""
+    arrive = arrivals(s)
     done, clock, bursts = 0, 0.0, 0
-    while done < s.num_microbatches:
-        clock = max(clock, arrival(done))
+    while done < len(arrive):
+        clock = max(clock, arrive[done])
         take = done + 1
-        while take < s.num_microbatches and arrival(take) <= clock:
+        while take < len(arrive) and arrive[take] <= clock:
             take += 1
         clock += s.t_swap_s + (take - done) * (s.t_ref_s + s.t_act_s)
         done, bursts = take, bursts + 1
-    return bursts
+    return clock, bursts
 
 
 def colocated_cost(s: RA2PSignals) -> float:
-    bursts = estimate_bursts(s) if s.bursts is None else s.bursts
-    m = s.num_microbatches
-    return bursts * s.t_swap_s + m * (s.t_ref_s + s.t_act_s) + wait(late_microbatches(s), s.tprm_s)
+    return colocated_replay(s)[0]
 
 
 def decoupled_cost(s: RA2PSignals) -> float:
-    m = s.num_microbatches
-    return (max(m * s.t_ref_s / s.ref_share, m * s.t_act_s / s.act_share) + s.fill_drain_s
-            + late_microbatches(s) * max(0.0, s.tprm_s - s.t_act_s))
+    ref_done = act_done = 0.0
+    for t in arrivals(s):
+        ref_done = max(t, ref_done) + s.t_ref_s / s.ref_share
+        act_done = max(ref_done, act_done) + s.t_act_s / s.act_share
+    return act_done + s.fill_drain_s
 
 
 def choose_mode(s: RA2PSignals) -> Decision:
-    """The cheaper mode by the cost model; a tie goes to `TIE_MODE`."""
+    """The mode whose replayed step ends first; a tie goes to `TIE_MODE`."""
     col, dec = colocated_cost(s), decoupled_cost(s)
     if col == dec:
         mode = TIE_MODE

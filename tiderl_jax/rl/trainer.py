@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from typing import Sequence
 
 import jax
@@ -284,6 +285,7 @@ class Trainer:
         self.step_count = 0
         self.skipped_steps = 0
         self._programs: dict[tuple, object] = {}
+        self.compile_s = 0.0  # wall seconds of calls that compiled a program
 
     def _trainable(self):
         """What the optimizer updates: the policy, or (policy, value head) with GAE."""
@@ -326,9 +328,19 @@ class Trainer:
             for k, v in batch.items()}
 
     def _program(self, key, build):
-        if key not in self._programs:
-            self._programs[key] = build()
-        return self._programs[key]
+        """The jitted program for `key` (a shape bucket); a new one's first call, which compiles it,
+        is timed into `compile_s` (what a move to a new mesh costs again)."""
+        fn = self._programs.get(key)
+        if fn is not None:
+            return fn
+        fn = self._programs[key] = build()
+
+        def first_call(*args):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            self.compile_s += time.perf_counter() - t0
+            return out
+        return first_call
 
     def _put(self, batch: dict):
         shardings = self._batch_sharding(batch)
@@ -409,10 +421,12 @@ class Trainer:
             log.warning("trajectory %s left out of the step: %s", trajectories[i].task_id, reason)
         if not packed.kept:
             return {"dropped": float(len(packed.dropped)), "skipped": 1.0}
+        t0 = time.perf_counter()
         if self.value_params is None:
             packed.arrays["proximal_logp"] = self.score(packed)
         else:
             packed.arrays["proximal_logp"], packed.arrays["old_values"] = self.score_values(packed)
+        t_proximal, t_ref = time.perf_counter() - t0, 0.0
         kept = [trajectories[i] for i in packed.kept]
         has_ref = all(t.info.get("ref_logp") is not None for t in kept)
         if has_ref:  # scored ahead, on the ref's own devices (RA2P decoupled)
@@ -421,8 +435,9 @@ class Trainer:
                 m, r, start, n = packed.placements[j]
                 packed.arrays["ref_logp"][m, r, start:start + n] = t.info["ref_logp"]
         elif self.ref_params is not None:
+            t0 = time.perf_counter()
             packed.arrays["ref_logp"] = self.score(packed, self.ref_params)
-            has_ref = True
+            t_ref, has_ref = time.perf_counter() - t0, True
         rewards = np.asarray([t.reward for t in kept], np.float32)
         if cfg.loss.kl_as_reward and cfg.loss.kl_coef > 0 and has_ref:
             for j in range(len(kept)):
@@ -434,8 +449,11 @@ class Trainer:
         else:
             packed.arrays["advantages"], packed.arrays["returns"] = gae_advantages(cfg.loss, packed, rewards)
         arrays = {k: v for k, v in packed.arrays.items()}
+        t0 = time.perf_counter()
         metrics = self._run_step("rl", arrays, packed.num_sequences)
-        metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()))
+        # wall seconds of each part (compiles included): what RA2P's cost model reads
+        metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()),
+                       time_proximal_s=t_proximal, time_ref_s=t_ref, time_update_s=time.perf_counter() - t0)
         return metrics
 
 
@@ -450,6 +468,7 @@ class Scorer:
         self.graphdef, self.params = nnx.split(model)
         self.patch_dim = model.cfg.image_patch_dim
         self._programs: dict = {}
+        self.compile_s = 0.0
 
     _batch_sharding = Trainer._batch_sharding
     _shardings = Trainer._shardings

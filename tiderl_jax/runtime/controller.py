@@ -82,6 +82,10 @@ class ControllerConfig:
     tensor: int = 2
     ers_patience: int = 2
     ers_cooldown: int = 3
+    # speed one more device group adds to a role, as a fraction of linear, assumed until a move
+    # measures it (ERS weighs a move's predicted gain against its measured cost)
+    ers_scaling: float = 1.0
+    ers_economics: bool = True  # False: a persistent deficit moves a group whatever it costs
     checkpoint_every: int = 0  # steps; 0: only at the end and on interrupt
 
     def __post_init__(self):
@@ -173,7 +177,12 @@ class Controller:
         self.ra2p_mode = ra2p.COLOCATED
         self.ers_history = ers.ERSHistory()
         self.moves: list[dict] = []
-        self._timings = dict(t_act=None, t_ref=None, t_swap=0.0, tprm=None)
+        self.ers_refused = 0  # boundaries where a deficit wanted a move that did not happen
+        self._timings = dict(t_act=None, t_ref_col=None, t_ref_dec=None, tprm=None, train_busy=0.0)
+        self._rollout_busy_mark = 0.0  # the rollout lane's busy seconds at the last step boundary
+        self.ers_scaling = config.ers_scaling  # measured after the first move that changes the trainer
+        self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
+        self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
         self._stop = False
 
     # ------------------------------------------------------------------ the producer
@@ -239,9 +248,10 @@ class Controller:
 
     async def _score_ref(self, group: _Group):
         with self.metrics.span("ref", "score"):
-            t0 = time.perf_counter()
+            t0, compiled = time.perf_counter(), self.ref_scorer.compile_s
             scores = await asyncio.to_thread(self.ref_scorer.score_trajectories, group.trajectories)
-            self._timings["t_ref_dec"] = time.perf_counter() - t0
+            if self.ref_scorer.compile_s == compiled:
+                self._timings["t_ref_dec"] = time.perf_counter() - t0
         for t, s in zip(group.trajectories, scores):
             if s is not None:
                 t.info["ref_logp"] = s.tolist()
@@ -272,35 +282,42 @@ class Controller:
         return batch, waited, ras, hol
 
     def _ra2p_decision(self, ras: int) -> ra2p.Decision | None:
+        """RA2P's choice for the next step from measured per-micro-batch (= per-group) times: the
+        actor and the colocated ref pass on the train devices, the decoupled ref pass on the ref
+        devices (their speed ratio is D_ref; a time not yet measured is scaled from the other by
+        device count). The actor keeps the train devices in both modes (D_act = 1); both weight
+        sets stay resident, so colocated swaps nothing (T_swap = 0)."""
         t = self._timings
-        if self.cfg.mode != "tiderl" or self.ref_scorer is None or t["t_act"] is None or t["t_ref"] is None:
+        if self.cfg.mode != "tiderl" or self.ref_scorer is None or t["t_act"] is None:
             return None
-        m = self.cfg.groups_per_step  # one micro-batch = one group here
-        n_ref = len(self.pool.devices_of("ref"))
-        n_train = len(self.pool.devices_of("train"))
-        total = n_ref + n_train
+        if t.get("t_ref_col") is None and t.get("t_ref_dec") is None:
+            return None
+        n_ref, n_train = len(self.pool.devices_of("ref")), len(self.pool.devices_of("train"))
+        t_col = t.get("t_ref_col") or t["t_ref_dec"] * n_ref / n_train
+        t_dec = t.get("t_ref_dec") or t_col * n_train / n_ref
         return ra2p.choose_mode(ra2p.RA2PSignals(
-            num_microbatches=m, ready_at_start=ras, tprm_s=t["tprm"] or 0.0,
-            t_ref_s=t["t_ref"] / m, t_act_s=t["t_act"] / m, t_swap_s=t["t_swap"],
-            ref_share=n_ref / total, act_share=n_train / total, fill_drain_s=t["t_ref"] / m))
+            num_microbatches=self.cfg.groups_per_step, ready_at_start=ras, tprm_s=t["tprm"] or 0.0,
+            t_ref_s=t_col, t_act_s=t["t_act"], t_swap_s=0.0, ref_share=t_col / max(t_dec, 1e-9),
+            act_share=1.0))
 
     async def _train_step(self, batch: list[_Group]):
         trajs = [t for g in batch for t in g.trajectories]
         if any(g.ref_job is not None for g in batch):
             with self.metrics.span("train", "wait_ref"):
                 await asyncio.gather(*(g.ref_job for g in batch if g.ref_job is not None))
-        decoupled = all(t.info.get("ref_logp") is not None for t in trajs)
+        compiled = self.trainer.compile_s
         with self.metrics.span("train", "train"):
             t0 = time.perf_counter()
             out = await asyncio.to_thread(self.trainer.rl_step, trajs)
             dt = time.perf_counter() - t0
-        # the actor's time per step, and the ref's when it ran here (colocated: score = one more
-        # forward pass of the same size, about a third of forward + backward)
-        self._timings["t_act"] = dt * (1.0 if decoupled else 0.75)
-        if not decoupled:
-            self._timings["t_ref"] = dt * 0.25
-        elif "t_ref_dec" in self._timings:
-            self._timings["t_ref"] = self._timings["t_ref_dec"] * self.cfg.groups_per_step
+        # steady-state times per micro-batch (one group each), compiles left out: RA2P's signals
+        compile_s = self.trainer.compile_s - compiled
+        m = len(batch)
+        self._timings["train_busy"] = max(0.0, dt - compile_s)
+        if compile_s == 0.0 and "time_update_s" in out:
+            self._timings["t_act"] = (out["time_proximal_s"] + out["time_update_s"]) / m
+            if out["time_ref_s"] > 0:  # the ref ran here (colocated)
+                self._timings["t_ref_col"] = out["time_ref_s"] / m
         return out, trajs
 
     async def _publish(self, version: int):
@@ -313,9 +330,36 @@ class Controller:
         if not rec.ok:
             log.warning("rollout keeps version %d after a failed sync", self.engine.version)
 
-    async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float):
+    def _compile_seconds(self) -> float:
+        return self.engine.compile_s + self.trainer.compile_s
+
+    def _ers_economics(self, tokens: int) -> ers.MoveEconomics:
+        """What a move would cost and buy, from measurements: the trainer's and the rollout's busy
+        seconds in the last step; the move's cost as measured for the last move (its reshard plus
+        the compiles of the step after it), or before any move, the compile seconds spent so far
+        (a new mesh needs those programs again); the scaling measured on the last move that changed
+        the trainer (`ers_scaling` before any)."""
+        rollout_busy = self.metrics.busy_s["rollout"] - self._rollout_busy_mark
+        self._rollout_busy_mark = self.metrics.busy_s["rollout"]
+        probe, train_busy = self._scaling_probe, self._timings["train_busy"]
+        if probe is not None:  # the first step on the new layout: measure what the move did
+            self._scaling_probe = None
+            self._move_cost = probe["seconds"] + self._compile_seconds() - probe["compiled"]
+            if tokens > 0 and probe["per_token"] > 0 and train_busy > 0:
+                ratio = (train_busy / tokens) / probe["per_token"]
+                self.ers_scaling = ers.measured_scaling(probe["groups"], self.pool.num_groups("train"),
+                                                        ratio, prior=self.ers_scaling)
+                log.info("ERS: trainer time per token x%.2f on %d -> %d groups: scaling %.2f of linear; "
+                         "the move cost %.1fs", ratio, probe["groups"], self.pool.num_groups("train"),
+                         self.ers_scaling, self._move_cost)
+        cost = self._move_cost if self._move_cost is not None else self._compile_seconds()
+        return ers.MoveEconomics(train_busy_s=train_busy, rollout_busy_s=rollout_busy, move_cost_s=cost,
+                                 horizon_steps=self.cfg.steps - self.step, scaling=self.ers_scaling)
+
+    async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float, tokens: int):
         if self.cfg.mode != "tiderl":
             return
+        economics = self._ers_economics(tokens)
         signals = ers.ERSSignals(
             ready_volume=sum(len(g.trajectories) for g in self.ready), ideal_batch=self.cfg.batch_samples,
             trainer_idle_s=waited, hol_latency_s=hol, step_time_s=step_time, ras=ras,
@@ -323,10 +367,15 @@ class Controller:
             train_groups=self.pool.num_groups("train"))
         move, self.ers_history = ers.decide(signals, self.ers_history,
                                             ers.ERSConfig(patience=self.cfg.ers_patience,
-                                                          cooldown=self.cfg.ers_cooldown))
+                                                          cooldown=self.cfg.ers_cooldown),
+                                            economics if self.cfg.ers_economics else None)
+        if self.ers_history.refused:
+            self.ers_refused += 1
+            log.info("ERS: no move (%s)", self.ers_history.refused)
         if move is None:
             return
-        t0 = time.perf_counter()
+        t0, compiled = time.perf_counter(), self._compile_seconds()
+        groups_before = self.pool.num_groups("train")
         self.pool = self.pool.moved(move.from_role, move.to_role)
         train_mesh, roll_mesh = self.pool.mesh("train"), self.pool.mesh("rollout")
         with self.metrics.span("train", "move"):
@@ -336,11 +385,15 @@ class Controller:
         for lane in ("rollout", "train"):
             self.metrics.set_devices(lane, len(self.pool.devices_of(lane)))
         self.ra2p_mode = move.ra2p_mode
+        seconds = time.perf_counter() - t0
+        self._scaling_probe = dict(groups=groups_before, seconds=seconds, compiled=compiled,
+                                   per_token=self._timings["train_busy"] / max(tokens, 1))
+        self._timings.update(t_act=None, t_ref_col=None)  # measured again on the new mesh
         record = dict(step=self.step, frm=move.from_role, to=move.to_role, reason=move.reason,
-                      seconds=time.perf_counter() - t0)
+                      seconds=seconds, predicted_gain_s=move.gain_s, predicted_cost_s=move.cost_s)
         self.moves.append(record)
-        log.info("ERS: moved one device group %s -> %s (%s) in %.2fs", move.from_role, move.to_role,
-                 move.reason, record["seconds"])
+        log.info("ERS: moved one device group %s -> %s (%s; predicted gain %s for cost %s) in %.2fs",
+                 move.from_role, move.to_role, move.reason, move.gain_s, move.cost_s, seconds)
 
     def load_policy(self, params) -> None:
         """Starts from these weights (the warm start): the actor, the reference model and the
@@ -417,7 +470,7 @@ class Controller:
                 self.step += 1
                 now = time.perf_counter()
                 step_time, last = now - last, now
-                await self._ers_boundary(waited, step_time, ras, hol)
+                await self._ers_boundary(waited, step_time, ras, hol, int(out.get("tokens", 0)))
                 await self._publish(self.version + 1)
                 self.version += 1  # only now: the producer admits the next batch on the new weights
                 self._wake.set()
@@ -451,7 +504,7 @@ class Controller:
     def summary(self) -> dict:
         s = self.metrics.summary()
         s.update(mode=self.cfg.mode, kv_hit_rate=self.engine.stats()["prefix_hit_rate"],
-                 discarded=self.discarded, moves=len(self.moves),
+                 discarded=self.discarded, moves=len(self.moves), ers_refused=self.ers_refused,
                  syncs_failed=sum(not r.ok for r in self.sync.history))
         return s
 

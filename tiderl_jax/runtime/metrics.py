@@ -44,6 +44,7 @@ class RunMetrics:
         self.t0 = time.perf_counter()
         self.spans: list[tuple[str, str, float, float]] = []  # (lane, kind, start, end) since t0
         self.busy_device_s = collections.Counter()  # lane -> device-seconds busy
+        self.busy_s = collections.Counter()  # lane -> wall seconds busy
         self.device_s = collections.Counter()  # lane -> device-seconds held (busy or idle)
         self._held_since = {lane: 0.0 for lane in self.devices}
         self.consumed_tokens = 0
@@ -59,6 +60,7 @@ class RunMetrics:
         self.t0 = time.perf_counter()
         self.spans.clear()
         self.busy_device_s.clear()
+        self.busy_s.clear()
         self.device_s.clear()
         self._held_since = {lane: 0.0 for lane in self.devices}
 
@@ -75,6 +77,7 @@ class RunMetrics:
             end = self.now()
             self.spans.append((lane, kind, start, end))
             self.busy_device_s[lane] += (end - start) * self.devices.get(lane, 0)
+            self.busy_s[lane] += end - start
 
     def set_devices(self, lane: str, count: int) -> None:
         """A lane's device count changed (an ERS move): close its held-time interval."""
