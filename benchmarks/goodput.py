@@ -13,8 +13,10 @@ Workload (every parameter is a flag; defaults in brackets):
   and `--latency-sigma` [1.0] (heavy tail, capped at 5 s): real waiting time;
 - per update `--groups` [4] GRPO groups of `--group-size` [4] samples; `--steps` [8] updates per mode,
   of which the first `--skip` [2] are excluded from the rates (they include compilation);
-- 8 faked CPU devices: sync puts rollout and training on all 8; async and tiderl split them into
-  rollout 4, reference 2, train 2 (device groups of 2; ERS moves groups in tiderl).
+- 8 faked CPU devices, each mode in its own layout: sync puts rollout and training on all 8 (they
+  take turns); async (AReaL-like) splits them into rollout 4 and train 4, the reference scored on
+  the train devices; tiderl into rollout 4, reference 2 and train 2 (device groups of 2; RA2P runs
+  the reference on its own devices or on the train devices, ERS moves groups when a move pays).
 
 Modes (the same `Controller`, different settings): `sync` (staleness 0, rollout and training take
 turns, request-level rollout), `async` (staleness 1, disjoint groups, request-level rollout),
@@ -26,7 +28,8 @@ in two threads keep both cores busier than one phase at a time: that layout is n
 
 Rates are over updates `skip+1 .. steps`: goodput = trained tokens (samples) consumed by those
 updates / their wall time; waiting = device-seconds idle over the same span (rollout lane and
-train + ref lanes). Held-out reward: greedy, `--heldout` [16] held-out tasks per kind, after the run.
+train + ref lanes; in sync each device is counted once: idle while neither generating nor
+training, as rollout waiting while the trainer waits for data, else as trainer waiting). Held-out reward: greedy, `--heldout` [16] held-out tasks per kind, after the run.
 JSON rows: mode, goodput_tokens_per_s, goodput_samples_per_s, step_time_s, rollout_wait_s,
 trainer_wait_s, kv_hit_rate, heldout_reward (+ wall_s, moves, discarded, staleness).
 """
@@ -87,7 +90,8 @@ def run_mode(mode: str, warm_params, tok, args) -> dict:
     ccfg = ControllerConfig(mode="tiderl" if mode == "limit" else mode, steps=args.steps,
                             groups_per_step=args.groups, group_size=args.group_size,
                             max_concurrent=args.max_concurrent, task_kinds=tuple(args.tasks),
-                            device_group_size=2, rollout_groups=2, ref_groups=1, train_groups=1, tensor=2)
+                            device_group_size=2, rollout_groups=2, ref_groups=0 if mode == "async" else 1,
+                            train_groups=2 if mode == "async" else 1, tensor=2)
     tcfg = TrainerConfig(loss=LossConfig(), learning_rate=1e-4, warmup_steps=1, total_steps=args.steps + 1,
                          row_len=1024, micro_rows=4)
     ecfg = EngineConfig(page_size=16, num_pages=4096, max_seq_len=2048, max_running=64, prefill_chunk=512,

@@ -37,3 +37,20 @@ def test_waiting_goodput_and_outputs(tmp_path):
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [x["step"] for x in lines] == [1, 2] and lines[1]["loss"] == 0.05
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
+
+
+def test_shared_lanes_count_each_device_once(tmp_path):
+    # sync: rollout and train take turns on the same 8 devices. Over 10 s: generate 0-3 and 4-5
+    # (the trainer waits for data 0-6), train 6-9; idle 3-4 and 5-6 (rollout waiting, 2 s) and
+    # 9-10 (trainer waiting, 1 s), each x 8 devices; busy time is never counted as waiting.
+    m = RunMetrics(str(tmp_path), total_steps=1, devices={"rollout": 8, "train": 8},
+                   shared=("rollout", "train"))
+    m.spans += [("rollout", "generate", 0.0, 3.0), ("rollout", "generate", 4.0, 5.0),
+                ("train", "train", 6.0, 8.5), ("train", "sync", 8.0, 9.0)]
+    m.data_waits.append((0.0, 6.0))
+    m.now = lambda: 10.0
+    assert m.waiting() == {"rollout": pytest.approx(16.0), "train": pytest.approx(8.0)}
+    m.close()
+    with pytest.raises(ValueError, match="same device count"):
+        RunMetrics(str(tmp_path / "x"), total_steps=1, devices={"rollout": 8, "train": 4},
+                   shared=("rollout", "train"))

@@ -159,7 +159,8 @@ class Controller:
         self.sync = WeightSync()
         lanes = ({"rollout": len(devices), "train": len(devices)} if self.pool is None else
                  {r: len(self.pool.devices_of(r)) for r in ("rollout", "ref", "train")})
-        self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=lanes)
+        self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=lanes,
+                                  shared=("rollout", "train") if self.pool is None else ())
         self.checkpointer = Checkpointer(f"{logdir}/checkpoints", keep=2)
         self.logdir = logdir
         # run state
@@ -264,16 +265,17 @@ class Controller:
         ras = min(len(self.ready), self.cfg.groups_per_step)
         hol = t0 - self.ready[0].arrived if self.ready else 0.0
         arrivals, batch = [], []
-        while len(batch) < self.cfg.groups_per_step:
-            while not self.ready:
-                self._wake.clear()
-                await self._wake.wait()
-                arrivals.append(time.perf_counter())
-            group = self.ready.popleft()
-            # it may have aged in the buffer since it arrived; what is dropped now is replaced
-            self.accepted -= self._drop_stale(group)
-            if group.trajectories:
-                batch.append(group)
+        with self.metrics.data_wait():
+            while len(batch) < self.cfg.groups_per_step:
+                while not self.ready:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    arrivals.append(time.perf_counter())
+                group = self.ready.popleft()
+                # it may have aged in the buffer since it arrived; what is dropped now is replaced
+                self.accepted -= self._drop_stale(group)
+                if group.trajectories:
+                    batch.append(group)
         waited = time.perf_counter() - t0
         gaps = np.diff([t0] + arrivals) if arrivals else []
         if len(gaps):

@@ -9,7 +9,10 @@ Definitions (one each):
 - waiting time: device-seconds a lane's devices were idle, split into rollout waiting (the rollout
   lane had nothing to generate) and trainer waiting (the train lane waited for data or for a sync);
   a lane's busy time comes from the spans the controller records (`span`), its waiting time is
-  wall time minus busy time, times its device count;
+  wall time minus busy time, times its device count. Lanes that take turns on the same devices
+  (`shared`, the sync mode) count each device once: it waits when no lane's span covers it, and
+  that idle time is rollout waiting while the trainer waits for data (`data_wait`), else trainer
+  waiting;
 - KV hit rate: prompt tokens served from cache / all prompt tokens prefilled (the engine's counter);
 - staleness: per consumed token, current policy version minus the version that generated it.
 """
@@ -32,7 +35,8 @@ _COLORS = {"generate": "tab:blue", "score": "tab:orange", "train": "tab:green", 
 
 
 class RunMetrics:
-    def __init__(self, logdir: str, *, total_steps: int, devices: dict[str, int] | None = None):
+    def __init__(self, logdir: str, *, total_steps: int, devices: dict[str, int] | None = None,
+                 shared: tuple[str, ...] = ()):
         from tensorboardX import SummaryWriter  # imported here: only runs that log need it
 
         os.makedirs(logdir, exist_ok=True)
@@ -43,6 +47,10 @@ class RunMetrics:
         self.jsonl = open(os.path.join(logdir, "metrics.jsonl"), "a")
         self.t0 = time.perf_counter()
         self.spans: list[tuple[str, str, float, float]] = []  # (lane, kind, start, end) since t0
+        self.shared = tuple(shared)  # lanes holding the same devices (they take turns)
+        if self.shared and len({self.devices.get(lane) for lane in self.shared}) != 1:
+            raise ValueError(f"shared lanes {self.shared} must hold the same device count; got {self.devices}")
+        self.data_waits: list[tuple[float, float]] = []  # when the trainer waited for data
         self.busy_device_s = collections.Counter()  # lane -> device-seconds busy
         self.busy_s = collections.Counter()  # lane -> wall seconds busy
         self.device_s = collections.Counter()  # lane -> device-seconds held (busy or idle)
@@ -59,6 +67,7 @@ class RunMetrics:
         """Starts the clock of the run proper (what came before, e.g. a warm start, is not in it)."""
         self.t0 = time.perf_counter()
         self.spans.clear()
+        self.data_waits.clear()
         self.busy_device_s.clear()
         self.busy_s.clear()
         self.device_s.clear()
@@ -78,6 +87,15 @@ class RunMetrics:
             self.spans.append((lane, kind, start, end))
             self.busy_device_s[lane] += (end - start) * self.devices.get(lane, 0)
             self.busy_s[lane] += end - start
+
+    @contextlib.contextmanager
+    def data_wait(self):
+        """Marks the trainer waiting for data for the duration of the block."""
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.data_waits.append((start, self.now()))
 
     def set_devices(self, lane: str, count: int) -> None:
         """A lane's device count changed (an ERS move): close its held-time interval."""
@@ -119,7 +137,16 @@ class RunMetrics:
         now = self.now()
         held = {lane: self.device_s[lane] + (now - self._held_since.get(lane, now)) * n
                 for lane, n in self.devices.items()}
-        return {lane: max(0.0, held[lane] - self.busy_device_s[lane]) for lane in held}
+        wait = {lane: max(0.0, held[lane] - self.busy_device_s[lane]) for lane in held
+                if lane not in self.shared}
+        if self.shared:
+            idle = _complement(_union(s[2:] for s in self.spans if s[0] in self.shared), now)
+            in_rollout = _overlap(idle, _union(self.data_waits))
+            n = self.devices[self.shared[0]]
+            total = sum(b - a for a, b in idle)
+            wait["rollout"] = wait.get("rollout", 0.0) + n * in_rollout
+            wait["train"] = wait.get("train", 0.0) + n * (total - in_rollout)
+        return wait
 
     def summary(self) -> dict:
         wall = self.now()
@@ -162,3 +189,39 @@ class RunMetrics:
     def close(self) -> None:
         self.writer.close()
         self.jsonl.close()
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as `intervals`."""
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _complement(disjoint: list[tuple[float, float]], end: float) -> list[tuple[float, float]]:
+    """The parts of [0, end] that sorted, disjoint intervals leave uncovered."""
+    out, t = [], 0.0
+    for a, b in disjoint:
+        if a > t:
+            out.append((t, min(a, end)))
+        t = max(t, b)
+    if t < end:
+        out.append((t, end))
+    return [(a, b) for a, b in out if b > a]
+
+
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Seconds covered by both of two sorted, disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        total += max(0.0, min(xs[i][1], ys[j][1]) - max(xs[i][0], ys[j][0]))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
