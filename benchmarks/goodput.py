@@ -29,7 +29,8 @@ in two threads keep both cores busier than one phase at a time: that layout is n
 Rates are over updates `skip+1 .. steps`: goodput = trained tokens (samples) consumed by those
 updates / their wall time; waiting = device-seconds idle over the same span (rollout lane and
 train + ref lanes; in sync each device is counted once: idle while neither generating nor
-training, as rollout waiting while the trainer waits for data, else as trainer waiting). Held-out reward: greedy, `--heldout` [16] held-out tasks per kind, after the run.
+training, as rollout waiting while the trainer waits for data, else as trainer waiting).
+Held-out reward: greedy, `--heldout` [16] held-out tasks per kind, after the run.
 JSON rows: mode, goodput_tokens_per_s, goodput_samples_per_s, step_time_s, rollout_wait_s,
 trainer_wait_s, kv_hit_rate, heldout_reward (+ wall_s, moves, discarded, staleness).
 """
