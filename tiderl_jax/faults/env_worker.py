@@ -178,8 +178,9 @@ class EnvWorker:
         self.make_env = make_env
         self.timeout_s = timeout_s
         self._ctx = multiprocessing.get_context(start_method)
-        if start_method == "forkserver":  # children fork with the task code imported (fast restarts);
-            self._ctx.set_forkserver_preload(["tiderl_jax.agents.tasks"])  # no effect once it runs
+        if start_method == "forkserver":  # children fork with the main module (multiprocessing's
+            # default) and the task code imported: a restart runs no imports. No effect once it runs.
+            self._ctx.set_forkserver_preload(["__main__", "tiderl_jax.agents.tasks"])
         self._lock = asyncio.Lock()
         self._seq = 0
         self.starts = 0
