@@ -69,6 +69,18 @@ class Trajectory:
     def num_generated(self) -> int:
         return sum(self.loss_mask)
 
+    def oldest_version(self) -> int:
+        """The oldest policy version among the model's tokens (-1 when it has none)."""
+        return min((v for v, m in zip(self.versions, self.loss_mask) if m and v >= 0), default=-1)
+
+    def model_version_counts(self) -> dict[int, int]:
+        """Model tokens per policy version that generated them."""
+        counts: dict[int, int] = {}
+        for v, m in zip(self.versions, self.loss_mask):
+            if m:
+                counts[v] = counts.get(v, 0) + 1
+        return counts
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(dataclasses.replace(self, images=[]))
         d["images"] = [{"offset": im.offset, "shape": list(im.patches.shape),

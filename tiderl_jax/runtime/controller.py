@@ -36,27 +36,26 @@ import collections
 import dataclasses
 import logging
 import math
-import time
 import zlib
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from tiderl_jax.agents import tasks as task_lib
 from tiderl_jax.agents.env import LatencyModel, Task
-from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
+from tiderl_jax.agents.rollout import RolloutConfig
 from tiderl_jax.agents.trajectory import Trajectory
-from tiderl_jax.engine.engine import Engine, EngineConfig
+from tiderl_jax.engine.engine import EngineConfig
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, make_mesh, place_copy
+from tiderl_jax.model.sharding import DEFAULT_RULES, Rules
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.policies import ers, ra2p, staleness
 from tiderl_jax.rl.checkpoint import Checkpointer
-from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
-from tiderl_jax.runtime.devices import DevicePool, WeightSync, model_on
+from tiderl_jax.rl.trainer import TrainerConfig
+from tiderl_jax.runtime.backend import Backend, JaxBackend, split_devices
+from tiderl_jax.runtime.devices import DevicePool
 from tiderl_jax.runtime.metrics import RunMetrics
 
 log = logging.getLogger(__name__)
@@ -121,47 +120,35 @@ class _Group:
 
 
 class Controller:
-    def __init__(self, model: Decoder, tokenizer: Tokenizer, *, config: ControllerConfig,
-                 engine_config: EngineConfig, rollout_config: RolloutConfig, trainer_config: TrainerConfig,
+    """One RL loop for the three modes. Give it a model and tokenizer (it builds the `JaxBackend`:
+    engine, trainer and reference scorer on device meshes), or any `backend` (e.g. the simulator's)."""
+
+    def __init__(self, model: Decoder | None = None, tokenizer: Tokenizer | None = None, *,
+                 config: ControllerConfig, engine_config: EngineConfig | None = None,
+                 rollout_config: RolloutConfig | None = None, trainer_config: TrainerConfig | None = None,
                  latency: LatencyModel = LatencyModel(), logdir: str, rules: Rules = DEFAULT_RULES,
-                 make_env: Callable[[Task], object] | None = None, devices: Sequence | None = None):
+                 make_env: Callable[[Task], object] | None = None, devices: Sequence | None = None,
+                 backend: Backend | None = None, checkpoints: bool = True):
         self.cfg = config
-        self.tok = tokenizer
-        self.rules = rules
         self.latency = latency
         self._make_env = make_env or (lambda t: task_lib.make_env(t, latency=latency,
                                                                    seed=zlib.crc32(t.task_id.encode())))
-        devices = list(devices or jax.devices())
-        graphdef, params = nnx.split(model)
-        if config.mode == "sync":  # one mesh for everything; nothing moves
-            self.pool = None
-            n = len(devices)
-            tensor = config.tensor if n % config.tensor == 0 else 1
-            mesh = make_mesh({"data": 1, "fsdp": n // tensor, "tensor": tensor}, devices)
-            roll_mesh = train_mesh = mesh
-            ref_mesh = None
-        else:
-            self.pool = DevicePool.split(devices, group_size=config.device_group_size,
-                                         rollout=config.rollout_groups, ref=config.ref_groups,
-                                         train=config.train_groups, tensor=config.tensor)
-            roll_mesh, train_mesh, ref_mesh = (self.pool.mesh(r) for r in ("rollout", "train", "ref"))
-        self.trainer = Trainer(model_on(graphdef, params, train_mesh, rules), trainer_config,
-                               mesh=train_mesh, rules=rules)
-        if self.trainer.ref_params is None:  # RA2P needs a reference model: the starting policy
-            self.trainer.ref_params = place_copy(self.trainer.params, jax.tree.map(lambda x: x.sharding,
-                                                                                   self.trainer.params))
-        self.ref_scorer = (Scorer(model_on(graphdef, params, ref_mesh, rules), trainer_config,
-                                  mesh=ref_mesh, rules=rules) if ref_mesh is not None else None)
-        self.engine = Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)
-        rollout_mode = "ctb" if config.mode == "tiderl" else "request"
-        self.runner = RolloutRunner(self.engine, tokenizer,
-                                    dataclasses.replace(rollout_config, mode=rollout_mode))
-        self.sync = WeightSync()
-        lanes = ({"rollout": len(devices), "train": len(devices)} if self.pool is None else
-                 {r: len(self.pool.devices_of(r)) for r in ("rollout", "ref", "train")})
-        self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=lanes,
-                                  shared=("rollout", "train") if self.pool is None else ())
-        self.checkpointer = Checkpointer(f"{logdir}/checkpoints", keep=2)
+        if backend is None:
+            if model is None or tokenizer is None or None in (engine_config, rollout_config, trainer_config):
+                raise ConfigError("Controller needs a backend, or a model, a tokenizer and the engine, "
+                                  "rollout and trainer configs to build one")
+            devices = list(devices or jax.devices())
+            pool = split_devices(devices, mode=config.mode, group_size=config.device_group_size,
+                                 rollout=config.rollout_groups, ref=config.ref_groups,
+                                 train=config.train_groups, tensor=config.tensor)
+            backend = JaxBackend(model, tokenizer, mode=config.mode, pool=pool, engine_config=engine_config,
+                                 rollout_config=rollout_config, trainer_config=trainer_config, rules=rules,
+                                 devices=devices, tensor=config.tensor)
+        self.backend = backend
+        self.clock = backend.clock
+        self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=backend.lanes(), clock=self.clock,
+                                  shared=("rollout", "train") if backend.pool is None else ())
+        self.checkpointer = Checkpointer(f"{logdir}/checkpoints", keep=2) if checkpoints else None
         self.logdir = logdir
         # run state
         self.version = 0
@@ -170,6 +157,7 @@ class Controller:
         self.running = 0  # samples in flight
         self.accepted = 0  # fresh samples accepted into the ready buffer
         self.discarded = 0  # over-stale samples dropped
+        self.syncs_failed = 0
         self.ready: collections.deque[_Group] = collections.deque()
         self.in_flight: dict[int, _Group] = {}
         self.resume_groups: list[_Group] = []  # in-flight groups of a checkpoint, to complete
@@ -185,6 +173,19 @@ class Controller:
         self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
         self._stop = False
+
+    # the JAX backend's parts (launch scripts, tests and benchmarks reach them through the controller)
+    @property
+    def pool(self) -> DevicePool | None:
+        return self.backend.pool
+
+    @property
+    def engine(self):
+        return self.backend.engine
+
+    @property
+    def trainer(self):
+        return self.backend.trainer
 
     # ------------------------------------------------------------------ the producer
 
@@ -218,8 +219,7 @@ class Controller:
                 job.add_done_callback(self._sample_tasks.discard)
 
     async def _one_sample(self, group: _Group, sample: int):
-        traj = await self.runner.submit(group.task, group.gid, expected_group_size=self.cfg.group_size,
-                                        sample=sample)
+        traj = await self.backend.generate(group.task, group.gid, sample, self.cfg.group_size)
         group.trajectories.append(traj)
         if len(group.trajectories) < self.cfg.group_size:
             return
@@ -227,10 +227,10 @@ class Controller:
         self.running -= group.launched
         del self.in_flight[group.gid]
         self._drop_stale(group)
-        group.arrived = time.perf_counter()
+        group.arrived = self.clock()
         if group.trajectories:
             self.accepted += len(group.trajectories)
-            if self.ref_scorer is not None and self.ra2p_mode == ra2p.DECOUPLED:
+            if self.backend.has_ref_devices and self.ra2p_mode == ra2p.DECOUPLED:
                 group.ref_job = asyncio.ensure_future(self._score_ref(group))
             self.ready.append(group)
         self._wake.set()
@@ -239,7 +239,8 @@ class Controller:
         """Drops the group's samples whose oldest token is more than eta versions behind now;
         returns how many."""
         eta = self.cfg.staleness.eta
-        fresh = [t for t in group.trajectories if staleness.is_fresh(t.versions, self.version, eta)]
+        fresh = [t for t in group.trajectories
+                 if t.oldest_version() < 0 or staleness.is_fresh(t.oldest_version(), self.version, eta)]
         dropped = len(group.trajectories) - len(fresh)
         self.discarded += dropped
         group.trajectories = fresh
@@ -249,19 +250,19 @@ class Controller:
 
     async def _score_ref(self, group: _Group):
         with self.metrics.span("ref", "score"):
-            t0, compiled = time.perf_counter(), self.ref_scorer.compile_s
-            scores = await asyncio.to_thread(self.ref_scorer.score_trajectories, group.trajectories)
-            if self.ref_scorer.compile_s == compiled:
-                self._timings["t_ref_dec"] = time.perf_counter() - t0
+            t0 = self.clock()
+            scores, compiled = await self.backend.score_ref(group.trajectories)
+            if not compiled:
+                self._timings["t_ref_dec"] = self.clock() - t0
         for t, s in zip(group.trajectories, scores):
             if s is not None:
-                t.info["ref_logp"] = s.tolist()
+                t.info["ref_logp"] = s
 
     # ------------------------------------------------------------------ the trainer loop
 
     async def _take_batch(self):
         """Waits for `groups_per_step` ready groups; returns them with the measured signals."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         ras = min(len(self.ready), self.cfg.groups_per_step)
         hol = t0 - self.ready[0].arrived if self.ready else 0.0
         arrivals, batch = [], []
@@ -270,13 +271,13 @@ class Controller:
                 while not self.ready:
                     self._wake.clear()
                     await self._wake.wait()
-                    arrivals.append(time.perf_counter())
+                    arrivals.append(self.clock())
                 group = self.ready.popleft()
                 # it may have aged in the buffer since it arrived; what is dropped now is replaced
                 self.accepted -= self._drop_stale(group)
                 if group.trajectories:
                     batch.append(group)
-        waited = time.perf_counter() - t0
+        waited = self.clock() - t0
         gaps = np.diff([t0] + arrivals) if arrivals else []
         if len(gaps):
             self._timings["tprm"] = float(np.mean(gaps))
@@ -290,7 +291,7 @@ class Controller:
         device count). The actor keeps the train devices in both modes (D_act = 1); both weight
         sets stay resident, so colocated swaps nothing (T_swap = 0)."""
         t = self._timings
-        if self.cfg.mode != "tiderl" or self.ref_scorer is None or t["t_act"] is None:
+        if self.cfg.mode != "tiderl" or not self.backend.has_ref_devices or t["t_act"] is None:
             return None
         if t.get("t_ref_col") is None and t.get("t_ref_dec") is None:
             return None
@@ -304,16 +305,14 @@ class Controller:
 
     async def _train_step(self, batch: list[_Group]):
         trajs = [t for g in batch for t in g.trajectories]
-        if any(g.ref_job is not None for g in batch):
-            with self.metrics.span("train", "wait_ref"):
-                await asyncio.gather(*(g.ref_job for g in batch if g.ref_job is not None))
-        compiled = self.trainer.compile_s
+        if any(g.ref_job is not None for g in batch):  # the trainer waits (idle) for decoupled ref scores
+            await asyncio.gather(*(g.ref_job for g in batch if g.ref_job is not None))
         with self.metrics.span("train", "train"):
-            t0 = time.perf_counter()
-            out = await asyncio.to_thread(self.trainer.rl_step, trajs)
-            dt = time.perf_counter() - t0
+            t0 = self.clock()
+            out = await self.backend.train(trajs)
+            dt = self.clock() - t0
         # steady-state times per micro-batch (one group each), compiles left out: RA2P's signals
-        compile_s = self.trainer.compile_s - compiled
+        compile_s = out.pop("compile_s", 0.0)
         m = len(batch)
         self._timings["train_busy"] = max(0.0, dt - compile_s)
         if compile_s == 0.0 and "time_update_s" in out:
@@ -323,17 +322,14 @@ class Controller:
         return out, trajs
 
     async def _publish(self, version: int):
-        def swap():
-            return self.sync.publish(self.trainer.params, version,
-                                     target_shardings=self.engine.runner.param_shardings,
-                                     drain=lambda: None, swap=self.engine.update_params)
         with self.metrics.span("train", "sync"):
-            rec = await self.runner.command(swap)
-        if not rec.ok:
-            log.warning("rollout keeps version %d after a failed sync", self.engine.version)
+            ok = await self.backend.publish(version)
+        if not ok:
+            self.syncs_failed += 1
+            log.warning("weight sync to version %d failed; the rollout keeps its previous weights", version)
 
     def _compile_seconds(self) -> float:
-        return self.engine.compile_s + self.trainer.compile_s
+        return self.backend.compile_s()
 
     def _ers_economics(self, tokens: int) -> ers.MoveEconomics:
         """What a move would cost and buy, from measurements: the trainer's and the rollout's busy
@@ -376,18 +372,14 @@ class Controller:
             log.info("ERS: no move (%s)", self.ers_history.refused)
         if move is None:
             return
-        t0, compiled = time.perf_counter(), self._compile_seconds()
+        t0, compiled = self.clock(), self._compile_seconds()
         groups_before = self.pool.num_groups("train")
-        self.pool = self.pool.moved(move.from_role, move.to_role)
-        train_mesh, roll_mesh = self.pool.mesh("train"), self.pool.mesh("rollout")
         with self.metrics.span("train", "move"):
-            await asyncio.to_thread(self.trainer.move_to, train_mesh)
-            engine_model = model_on(self.trainer.graphdef, self.trainer.params, roll_mesh, self.rules)
-            await self.runner.command(lambda: self.engine.move_to(engine_model))
+            await self.backend.move(move.from_role, move.to_role)
         for lane in ("rollout", "train"):
             self.metrics.set_devices(lane, len(self.pool.devices_of(lane)))
         self.ra2p_mode = move.ra2p_mode
-        seconds = time.perf_counter() - t0
+        seconds = self.clock() - t0
         self._scaling_probe = dict(groups=groups_before, seconds=seconds, compiled=compiled,
                                    per_token=self._timings["train_busy"] / max(tokens, 1))
         self._timings.update(t_act=None, t_ref_col=None)  # measured again on the new mesh
@@ -400,22 +392,9 @@ class Controller:
     def load_policy(self, params) -> None:
         """Starts from these weights (the warm start): the actor, the reference model and the
         rollout engine all take them (version 0)."""
-        def place(tree, like):
-            return place_copy(tree, jax.tree.map(lambda x: x.sharding, like))
-        self.trainer.params = place(params, self.trainer.params)
-        self.trainer.ref_params = place(params, self.trainer.ref_params)
-        if self.ref_scorer is not None:
-            self.ref_scorer.params = place(params, self.ref_scorer.params)
-        self.engine.update_params(place(params, self.engine.runner.params), self.version)
+        self.backend.load_policy(params, self.version)
 
     # ------------------------------------------------------------------ checkpoints
-
-    def _arrays(self):
-        arrays = dict(params=self.trainer.params, opt_state=self.trainer.opt_state,
-                      ref=self.trainer.ref_params)
-        if self.trainer.value_params is not None:
-            arrays["value"] = self.trainer.value_params
-        return arrays
 
     def save(self, wait: bool = False) -> None:
         meta = dict(step=self.step, version=self.version, cursor=self.cursor,
@@ -424,25 +403,22 @@ class Controller:
                     in_flight=[dict(gid=g.gid, task=dataclasses.asdict(g.task),
                                     trajectories=[t.to_dict() for t in g.trajectories])
                                for g in self.in_flight.values()])
-        self.checkpointer.save(self.step, self._arrays(), meta)
+        if self.checkpointer is None:
+            return
+        self.checkpointer.save(self.step, self.backend.arrays(), meta)
         if wait:
             self.checkpointer.wait()
 
     def restore(self) -> bool:
         """Resumes from the latest checkpoint in the log directory; False if there is none."""
-        if self.checkpointer.latest_step() is None:
+        if self.checkpointer is None or self.checkpointer.latest_step() is None:
             return False
-        arrays, meta = self.checkpointer.restore(self._arrays())
-        self.trainer.params, self.trainer.opt_state = arrays["params"], arrays["opt_state"]
-        self.trainer.ref_params = arrays["ref"]
-        if "value" in arrays:
-            self.trainer.value_params = arrays["value"]
+        arrays, meta = self.checkpointer.restore(self.backend.arrays())
         self.step, self.version, self.cursor = meta["step"], meta["version"], meta["cursor"]
-        self.trainer.step_count = self.step
-        self.engine.update_params(self.trainer.params, self.version)  # the engine copies them
+        self.backend.restore_arrays(arrays, step=self.step, version=self.version)
         for g in meta["ready"]:
             group = _Group(g["gid"], Task(**g["task"]), [Trajectory.from_dict(t) for t in g["trajectories"]],
-                           arrived=time.perf_counter())
+                           arrived=self.clock())
             self.ready.append(group)
             self.accepted += len(group.trajectories)
         self.accepted += self.version * self.cfg.batch_samples  # consumed before the checkpoint
@@ -458,19 +434,19 @@ class Controller:
     async def run(self) -> dict:
         if self.metrics.steps == 0:
             self.metrics.begin()
-        self.runner.step_span = lambda: self.metrics.span("rollout", "generate")
-        await self.runner.start(self._make_env, lambda t: self.latency)
+        await self.backend.start(self._make_env, lambda t: self.latency,
+                                 lambda: self.metrics.span("rollout", "generate"))
         producer = asyncio.create_task(self._produce())
-        last = time.perf_counter()
+        last = self.clock()
         try:
             while self.step < self.cfg.steps:
                 decision = self._ra2p_decision(len(self.ready))
-                if decision is not None and self.pool.num_groups("ref") > 0:
+                if decision is not None:
                     self.ra2p_mode = decision.mode
                 batch, waited, ras, hol = await self._take_batch()
                 out, trajs = await self._train_step(batch)
                 self.step += 1
-                now = time.perf_counter()
+                now = self.clock()
                 step_time, last = now - last, now
                 await self._ers_boundary(waited, step_time, ras, hol, int(out.get("tokens", 0)))
                 await self._publish(self.version + 1)
@@ -478,14 +454,13 @@ class Controller:
                 self._wake.set()
                 lags = collections.Counter()
                 for t in trajs:
-                    for v, m in zip(t.versions, t.loss_mask):
-                        if m:
-                            lags[self.version - 1 - v] += 1
+                    for v, n in t.model_version_counts().items():
+                        lags[self.version - 1 - v] += n
                 self.metrics.consume(int(out.get("tokens", 0)), len(trajs), dict(lags), out.get("reward", 0.0))
                 self.metrics.log_step(self.step, dict(
                     out, version=self.version, ready_groups=len(self.ready), trainer_wait_s=waited,
                     ras=ras, hol_s=hol, running=self.running, discarded=self.discarded,
-                    kv_hit_rate=self.engine.stats()["prefix_hit_rate"],
+                    kv_hit_rate=self.backend.kv_hit_rate(),
                     ra2p_decoupled=float(self.ra2p_mode == ra2p.DECOUPLED),
                     ra2p_cost_colocated=decision.cost_colocated if decision else float("nan"),
                     ra2p_cost_decoupled=decision.cost_decoupled if decision else float("nan"),
@@ -505,9 +480,9 @@ class Controller:
 
     def summary(self) -> dict:
         s = self.metrics.summary()
-        s.update(mode=self.cfg.mode, kv_hit_rate=self.engine.stats()["prefix_hit_rate"],
+        s.update(mode=self.cfg.mode, kv_hit_rate=self.backend.kv_hit_rate(),
                  discarded=self.discarded, moves=len(self.moves), ers_refused=self.ers_refused,
-                 syncs_failed=sum(not r.ok for r in self.sync.history))
+                 syncs_failed=self.syncs_failed)
         return s
 
     async def shutdown(self) -> None:
@@ -516,4 +491,4 @@ class Controller:
         for job in list(self._sample_tasks):
             job.cancel()
         await asyncio.gather(*self._sample_tasks, return_exceptions=True)
-        await self.runner.stop()
+        await self.backend.stop()

@@ -36,7 +36,7 @@ _COLORS = {"generate": "tab:blue", "score": "tab:orange", "train": "tab:green", 
 
 class RunMetrics:
     def __init__(self, logdir: str, *, total_steps: int, devices: dict[str, int] | None = None,
-                 shared: tuple[str, ...] = ()):
+                 shared: tuple[str, ...] = (), clock=time.perf_counter):
         from tensorboardX import SummaryWriter  # imported here: only runs that log need it
 
         os.makedirs(logdir, exist_ok=True)
@@ -45,7 +45,8 @@ class RunMetrics:
         self.devices = dict(devices or {})  # lane -> devices it holds (changes on ERS moves)
         self.writer = SummaryWriter(logdir)
         self.jsonl = open(os.path.join(logdir, "metrics.jsonl"), "a")
-        self.t0 = time.perf_counter()
+        self.clock = clock  # seconds; the simulator's is virtual
+        self.t0 = clock()
         self.spans: list[tuple[str, str, float, float]] = []  # (lane, kind, start, end) since t0
         self.shared = tuple(shared)  # lanes holding the same devices (they take turns)
         if self.shared and len({self.devices.get(lane) for lane in self.shared}) != 1:
@@ -65,7 +66,7 @@ class RunMetrics:
 
     def begin(self) -> None:
         """Starts the clock of the run proper (what came before, e.g. a warm start, is not in it)."""
-        self.t0 = time.perf_counter()
+        self.t0 = self.clock()
         self.spans.clear()
         self.data_waits.clear()
         self.busy_device_s.clear()
@@ -74,7 +75,7 @@ class RunMetrics:
         self._held_since = {lane: 0.0 for lane in self.devices}
 
     def now(self) -> float:
-        return time.perf_counter() - self.t0
+        return self.clock() - self.t0
 
     @contextlib.contextmanager
     def span(self, lane: str, kind: str):

@@ -1,0 +1,183 @@
+"""Backends: the devices the controller drives.
+
+The controller (`controller.py`) decides what runs when; a backend runs it and says how long it
+took. Two implement the same interface, so the simulator runs the controller's own code
+(ARCHITECTURE.md, "The one idea"):
+
+- `JaxBackend` (here): the engine and the rollout loop on the rollout mesh, the trainer on the train
+  mesh, the reference scorer on the ref mesh, weight sync between them; wall-clock time.
+- `sim.backend.SimBackend`: cost-modelled devices on a virtual clock.
+
+The interface (`Backend`): `clock()` is the controller's only time source; `pool` holds the device
+groups (None when every device does everything: the sync mode); a generation, a ref pass, a train
+step, a weight sync and a device move are coroutines that return when the work is done. Times the
+controller's policies read come back with the results: a train step reports its parts
+(`time_proximal_s`, `time_ref_s`, `time_update_s`) and the compile seconds it spent, a ref pass
+whether it compiled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+from flax import nnx
+
+from tiderl_jax.agents.env import Task
+from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
+from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.engine.engine import Engine, EngineConfig
+from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, make_mesh, place_copy
+from tiderl_jax.model.tokenizer import Tokenizer
+from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
+from tiderl_jax.runtime.devices import DevicePool, WeightSync, model_on
+
+
+class Backend(Protocol):
+    pool: DevicePool | None
+
+    def clock(self) -> float: ...
+    def lanes(self) -> dict[str, int]: ...
+    @property
+    def has_ref_devices(self) -> bool: ...
+    async def start(self, make_env: Callable, latency_for: Callable, step_span: Callable) -> None: ...
+    async def stop(self) -> None: ...
+    async def generate(self, task: Task, group: int, sample: int, expected_group_size: int) -> Trajectory: ...
+    def kv_hit_rate(self) -> float: ...
+    async def score_ref(self, trajectories: Sequence[Trajectory]) -> tuple[list, bool]: ...
+    async def train(self, trajectories: Sequence[Trajectory]) -> dict: ...
+    async def publish(self, version: int) -> bool: ...
+    async def move(self, from_role: str, to_role: str) -> None: ...
+    def compile_s(self) -> float: ...
+    def arrays(self) -> dict[str, Any] | None: ...
+    def restore_arrays(self, arrays: dict[str, Any], *, step: int, version: int) -> None: ...
+    def load_policy(self, params, version: int) -> None: ...
+
+
+def split_devices(devices: Sequence, *, mode: str, group_size: int, rollout: int, ref: int, train: int,
+                  tensor: int) -> DevicePool | None:
+    """The device groups of a mode: None for sync (one set for everything), else the pool."""
+    if mode == "sync":
+        return None
+    return DevicePool.split(devices, group_size=group_size, rollout=rollout, ref=ref, train=train, tensor=tensor)
+
+
+def lanes_of(pool: DevicePool | None, num_devices: int) -> dict[str, int]:
+    """Devices per metrics lane (sync: rollout and train both hold all of them, taking turns)."""
+    if pool is None:
+        return {"rollout": num_devices, "train": num_devices}
+    return {r: len(pool.devices_of(r)) for r in ("rollout", "ref", "train")}
+
+
+class JaxBackend:
+    """The real devices (see the module docstring)."""
+
+    def __init__(self, model: Decoder, tokenizer: Tokenizer, *, mode: str, pool: DevicePool | None,
+                 engine_config: EngineConfig, rollout_config: RolloutConfig, trainer_config: TrainerConfig,
+                 rules: Rules = DEFAULT_RULES, devices: Sequence | None = None, tensor: int = 1):
+        self.rules = rules
+        self.pool = pool
+        self.devices = list(devices or jax.devices())
+        graphdef, params = nnx.split(model)
+        if pool is None:  # one mesh for everything; nothing moves
+            n = len(self.devices)
+            t = tensor if n % tensor == 0 else 1
+            roll_mesh = train_mesh = make_mesh({"data": 1, "fsdp": n // t, "tensor": t}, self.devices)
+            ref_mesh = None
+        else:
+            roll_mesh, train_mesh, ref_mesh = (pool.mesh(r) for r in ("rollout", "train", "ref"))
+        self.trainer = Trainer(model_on(graphdef, params, train_mesh, rules), trainer_config,
+                               mesh=train_mesh, rules=rules)
+        if self.trainer.ref_params is None:  # RA2P needs a reference model: the starting policy
+            self.trainer.ref_params = place_copy(self.trainer.params, _shardings(self.trainer.params))
+        self.ref_scorer = (Scorer(model_on(graphdef, params, ref_mesh, rules), trainer_config,
+                                  mesh=ref_mesh, rules=rules) if ref_mesh is not None else None)
+        self.engine = Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)
+        self.runner = RolloutRunner(self.engine, tokenizer, dataclasses.replace(
+            rollout_config, mode="ctb" if mode == "tiderl" else "request"))
+        self.sync = WeightSync()
+
+    clock = staticmethod(time.perf_counter)
+
+    def lanes(self) -> dict[str, int]:
+        return lanes_of(self.pool, len(self.devices))
+
+    @property
+    def has_ref_devices(self) -> bool:
+        return self.ref_scorer is not None
+
+    # ---------------------------------------------------------------- rollout
+
+    async def start(self, make_env, latency_for, step_span) -> None:
+        self.runner.step_span = step_span
+        await self.runner.start(make_env, latency_for)
+
+    async def stop(self) -> None:
+        await self.runner.stop()
+
+    async def generate(self, task, group, sample, expected_group_size) -> Trajectory:
+        return await self.runner.submit(task, group, expected_group_size=expected_group_size, sample=sample)
+
+    def kv_hit_rate(self) -> float:
+        return self.engine.stats()["prefix_hit_rate"]
+
+    # ---------------------------------------------------------------- scoring, training, sync, moves
+
+    async def score_ref(self, trajectories):
+        compiled = self.ref_scorer.compile_s
+        scores = await asyncio.to_thread(self.ref_scorer.score_trajectories, trajectories)
+        return [None if s is None else s.tolist() for s in scores], self.ref_scorer.compile_s != compiled
+
+    async def train(self, trajectories) -> dict:
+        compiled = self.trainer.compile_s
+        out = await asyncio.to_thread(self.trainer.rl_step, trajectories)
+        return dict(out, compile_s=self.trainer.compile_s - compiled)
+
+    async def publish(self, version: int) -> bool:
+        def swap():
+            return self.sync.publish(self.trainer.params, version,
+                                     target_shardings=self.engine.runner.param_shardings,
+                                     drain=lambda: None, swap=self.engine.update_params)
+        return (await self.runner.command(swap)).ok
+
+    async def move(self, from_role: str, to_role: str) -> None:
+        self.pool = self.pool.moved(from_role, to_role)
+        await asyncio.to_thread(self.trainer.move_to, self.pool.mesh("train"))
+        engine_model = model_on(self.trainer.graphdef, self.trainer.params, self.pool.mesh("rollout"), self.rules)
+        await self.runner.command(lambda: self.engine.move_to(engine_model))
+
+    def compile_s(self) -> float:
+        return self.engine.compile_s + self.trainer.compile_s
+
+    # ---------------------------------------------------------------- state
+
+    def arrays(self) -> dict[str, Any]:
+        arrays = {"params": self.trainer.params, "opt_state": self.trainer.opt_state, "ref": self.trainer.ref_params}
+        if self.trainer.value_params is not None:
+            arrays["value"] = self.trainer.value_params
+        return arrays
+
+    def restore_arrays(self, arrays: dict[str, Any], *, step: int, version: int) -> None:
+        self.trainer.params, self.trainer.opt_state = arrays["params"], arrays["opt_state"]
+        self.trainer.step_count = step
+        self.trainer.ref_params = arrays["ref"]
+        if "value" in arrays:
+            self.trainer.value_params = arrays["value"]
+        self.engine.update_params(self.trainer.params, version)  # the engine copies them
+
+    def load_policy(self, params, version: int) -> None:
+        """Starts from these weights (the warm start): the actor, the reference model and the
+        rollout engine all take them."""
+        self.trainer.params = place_copy(params, _shardings(self.trainer.params))
+        self.trainer.ref_params = place_copy(params, _shardings(self.trainer.ref_params))
+        if self.ref_scorer is not None:
+            self.ref_scorer.params = place_copy(params, _shardings(self.ref_scorer.params))
+        self.engine.update_params(place_copy(params, _shardings(self.engine.runner.params)), version)
+
+
+def _shardings(tree):
+    return jax.tree.map(lambda x: x.sharding, tree)
