@@ -122,10 +122,14 @@ def test_killed_worker_fails_over_to_the_standby_with_token_checkpoints():
 
 
 def test_hung_worker_is_declared_failed_by_health_checks_and_replaced_cold():
+    # also: a request the worker refuses comes back as a RequestError, the worker serving on
     spec = WorkerSpec(CFG, ENGINE, step_delay_s=0.05)
     client = EngineClient(spec, ParamService(MODEL, version=4), standby=False, health_interval_s=0.1,
                           health_threshold=3)
     try:
+        bad = client.submit([1, 2, 999], GREEDY)  # a token id outside the vocabulary
+        with pytest.raises(RequestError, match=r"token ids \[999\] outside \[0, 384\)"):
+            client.wait(bad, 60)
         rid = client.submit(PROMPTS[0], GREEDY)
         _wait_for(lambda: len(client.checkpoint(rid).tokens) >= 4)
         hung = client.primary

@@ -41,6 +41,7 @@ weights (a weight update compiles its copy program), and a process exit is still
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -55,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from tiderl_jax.faults.env_worker import main_module_hidden
 from tiderl_jax.faults.errors import WorkerCrashed
 from tiderl_jax.policies import belayer
 
@@ -258,7 +260,8 @@ class _Worker:
         parent, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, pickle.dumps(spec), dict(spec.env)),
                                 daemon=True, name=f"tiderl-engine-{name}")
-        self.proc.start()
+        with main_module_hidden(_worker_main):  # the child does not re-run the parent's script
+            self.proc.start()
         child.close()
         self.conn = parent
         self.ready = threading.Event()
@@ -373,10 +376,15 @@ class EngineClient:
         self._names = 0
         self.failovers: list[FailoverEvent] = []
         self._closed = False
+        self.monitor_error: BaseException | None = None  # what stopped the health monitor, if anything
         with self._lock:
             self.primary: _Worker | None = self._start_worker()
             self.standby: _Worker | None = self._start_worker() if standby else None
-        self._wait_ready(self.primary)
+        try:
+            self._wait_ready(self.primary)
+        except BaseException:
+            self.close()
+            raise
         self._wake = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, daemon=True, name="engine-health")
         self._monitor.start()
@@ -405,6 +413,8 @@ class EngineClient:
             rec = self._records.pop(rid)
             del self._done[rid]
         if rec.error is not None:
+            if self.monitor_error is not None:
+                raise WorkerCrashed(belayer.WORKER_CRASH, rec.error)
             from tiderl_jax.engine.sampling import RequestError
             raise RequestError(rec.error)
         return GenerationResult(rid, rec.tokens, rec.logp_sample, rec.logp_model, rec.versions,
@@ -504,22 +514,32 @@ class EngineClient:
     # ------------------------------------------------------------------ health and failover
 
     def _monitor_loop(self) -> None:
-        while not self._closed:
-            self._wake.wait(self.health_interval_s)
-            self._wake.clear()
-            if self._closed:
-                return
-            for w in (self.primary, self.standby):
-                if w is None or self._check(w):
-                    continue
-                if w is self.primary:
-                    self._failover(w)
-                else:
-                    self._replace_standby(w)
+        try:
+            while not self._closed:
+                self._wake.wait(self.health_interval_s)
+                self._wake.clear()
+                if self._closed:
+                    return
+                for w in (self.primary, self.standby):
+                    if w is None or self._check(w):
+                        continue
+                    if w is self.primary:
+                        self._failover(w)
+                    else:
+                        self._replace_standby(w)
+        except BaseException as e:  # no failover can happen any more: say so where callers look
+            self.monitor_error = e
+            logging.getLogger(__name__).exception("engine health monitor stopped")
+            with self._lock:
+                for rid, rec in self._records.items():
+                    if rec.finish_reason is None:
+                        rec.error, rec.finish_reason = f"engine failover failed: {e!r}", "error"
+                        self._done[rid].set()
 
     def _check(self, w: _Worker) -> bool:
         """One health check of `w`; False when it is declared failed."""
         if w.exited.is_set() or not w.proc.is_alive():
+            w.proc.join(1)  # the pipe may close a moment before the exit code is known
             w.health = dataclasses.replace(w.health, failed=True)
             w.fail_reason = f"process exited with code {w.proc.exitcode}"
             return False

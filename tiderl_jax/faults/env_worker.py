@@ -38,6 +38,7 @@ environment needs the two methods, or runs with checkpoints off (`mode="never"`:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing
 import multiprocessing.connection
@@ -45,8 +46,10 @@ import os
 import pickle
 import signal
 import statistics
+import sys
 import time
 import traceback
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -159,6 +162,30 @@ def _serve(conn: multiprocessing.connection.Connection, make_env: Callable[[Task
 # ----------------------------------------------------------------------------------- EnvWorker
 
 
+@contextlib.contextmanager
+def main_module_hidden(make_env):
+    """Starts children without re-running the parent's main script in them.
+
+    A spawn or forkserver child first re-imports the parent's `__main__` from its path (CPython
+    3.11's forkserver does not preload it either), which costs that script's imports (JAX: ~0.3 s,
+    a training entry point more) at every environment start and restart. The child needs only
+    `_serve` and `make_env`, so while a child starts, `__main__` is a bare module without a path:
+    the child's preparation data names no main to run. Skipped when `make_env` itself lives in
+    `__main__` (the child must run the script to find it).
+    """
+    fn = getattr(make_env, "func", make_env)  # a functools.partial's function
+    if getattr(fn, "__module__", None) == "__main__":
+        yield
+        return
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+
 class EnvWorker:
     """One environment in a subprocess: async reset / step / snapshot / restore, crash and timeout
     detection. Calls are serialised (one at a time); `restart()` replaces the child."""
@@ -178,9 +205,8 @@ class EnvWorker:
         self.make_env = make_env
         self.timeout_s = timeout_s
         self._ctx = multiprocessing.get_context(start_method)
-        if start_method == "forkserver":  # children fork with the main module (multiprocessing's
-            # default) and the task code imported: a restart runs no imports. No effect once it runs.
-            self._ctx.set_forkserver_preload(["__main__", "tiderl_jax.agents.tasks"])
+        if start_method == "forkserver":  # children fork with the task code imported (no effect
+            self._ctx.set_forkserver_preload(["tiderl_jax.agents.tasks"])  # once the server runs)
         self._lock = asyncio.Lock()
         self._seq = 0
         self.starts = 0
@@ -193,7 +219,8 @@ class EnvWorker:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_serve, args=(child, self.make_env), daemon=True,
                                  name="tiderl-env-worker")
-        proc.start()
+        with main_module_hidden(self.make_env):
+            proc.start()
         child.close()
         self._proc, self._conn = proc, parent
         self.starts += 1
