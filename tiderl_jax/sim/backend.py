@@ -1,0 +1,686 @@
+"""`SimBackend`: the controller's `Backend` on cost-modelled devices and a virtual clock.
+
+The real controller (`runtime/controller.py`: staleness capacity, ready buffer, RA2P, ERS) drives
+this backend exactly as it drives `JaxBackend`; only the devices are simulated. Every piece of work
+takes the seconds `sim/costs.py` gives it, slept on the virtual-time loop (`sim/clock.py`), so a
+1024-accelerator run costs only the Python of its events.
+
+What is modelled (all parameters in `SimConfig`, each a documented default):
+
+- **Device pool**: a `runtime.devices.DevicePool` over integer device ids (None in sync mode: every
+  device generates and trains, the staleness bound 0 makes them take turns). Moves use
+  `DevicePool.moved`, as the real backend does.
+- **Rollout**: `tp`-device replicas on the rollout devices, each a continuous-batching server (one
+  coroutine). Per event: prefill of the sequences admitted (new, resumed) since the last event, then
+  K decode steps of every running sequence, K = min(`decode_chunk`, most tokens any of them still
+  has to write this turn) (the engine's multi-step decode: a sequence that ends early rides along
+  to the end of the chunk but its turn ends at its own step):
+
+      prefill = roofline(2 * matmul_params * sum(n_i) + attention_flops(sum causal_pairs(n_i, c_i)),
+                         param_bytes + kv_bytes_per_token * sum(c_i + n_i))      (n new, c cached)
+      decode  = K * decode_step_time(B, sum(context_i) + B * (K - 1) / 2)        (B running)
+      event   = prefill + decode                         (then every sequence advances K tokens)
+
+  the batched prefill is `costs.prefill_time` summed over sequences with the weights read once.
+  KV capacity in pages (`costs.kv_capacity_pages`, or `kv_pages`); a turn is admitted only when the
+  pages of its context plus the tokens it will write fit (ours: the simulator knows the turn's
+  length, so nothing is preempted mid-turn), evicting cached KV (LRU) first; at most `max_batch`
+  sequences run at once.
+- **KV modes** (as the real rollout): `ctb` (mode tiderl): a task is admitted while its footprint
+  estimate fits the replica's budget (`policies.ctb.estimate_footprint` with the margin of
+  `expected_remaining_turns`, `admit_tasks`: first come, first served); its KV stays pinned across
+  tool calls, so a resume prefills only the observation; when a turn does not fit, waiting tasks'
+  KV is evicted (`ctb.choose_evictions`) into the prefix cache. `request` (sync / async): after each
+  turn the sequence's KV becomes evictable prefix cache (LRU, full pages); the next turn prefills
+  the whole context minus what is still cached. The engine keys prefix blocks by policy version, so
+  a cache entry hits only under the version that wrote it; pinned KV survives weight updates
+  (`EngineConfig.on_update="continue"`). A GRPO group's prompt hits when another sample of the
+  group already holds it on the same replica. KV hit rate = cached prompt tokens / prompt tokens
+  over every prefill admission (the engine's counter).
+- **Placement**: a task stays on its replica (sticky); a new task goes to the replica with the fewest
+  live tasks (ties: lowest id). A replica removed by a move loses its KV; its tasks continue on
+  others (their next prefill recomputes the whole context).
+- **Environment**: the workload's per-call latency (`workloads.sample_task`) between turns; a task's
+  shape is drawn from an rng seeded by (`seed`, group, sample), so runs are reproducible.
+- **Train** (`train_step_time`), **proximal and reference scoring** (`score_time`) over all context
+  tokens of the batch, mean sequence length for attention; ref scored on the train devices unless
+  the trajectories carry scores from the ref devices (RA2P decoupled). Ref jobs run one at a time.
+- **Weight sync** (`weight_sync_time` + `sync_fixed_s`): replicas swap in the new version after it;
+  decode events already in flight finish on the old weights (token versions recorded per event).
+- **Moves** (`switch_time`: `switch_fixed_s` plus the role's state: bf16 weights for rollout, plus
+  `optimizer_bytes_per_param` for train, arriving on the moved group's devices).
+
+Busy time (MECHANISMS.md §9 waiting): with `attach(metrics)`, each replica event adds
+`seconds * tp` busy device-seconds to the rollout lane (replicas idle while others work count as
+waiting), wall busy seconds add `seconds * tp / rollout devices` (the mean replica's busy time, what
+ERS scales with device count), and the timeline gets one span while any replica is busy. In sync
+mode (shared lanes) and without `attach`, the rollout lane is busy while any replica is (the
+metric's span definition), which undercounts waiting when replicas idle in a batch's tail.
+
+Ours, not the papers': the admission-by-known-turn-length, least-loaded placement, the group-prompt
+sharing rule, the sliding window of finished tasks for CTB's remaining-turns estimate (the last
+`finished_window` tasks, refreshed every `finished_window` finishes, to keep the cost per turn
+constant), and every default below that does not cite a source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import heapq
+from typing import Any, Sequence
+
+import numpy as np
+
+from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.policies import ctb
+from tiderl_jax.runtime.backend import lanes_of, split_devices
+from tiderl_jax.runtime.devices import DevicePool
+from tiderl_jax.sim import clock as clock_lib
+from tiderl_jax.sim import costs, hardware, workloads
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    workload: str = "tiderl-text-7b"  # a workloads.PRESETS name
+    accelerator: str = ""  # a hardware preset; "" = the workload's
+    tp: int = 1  # devices per rollout replica (tensor parallel)
+    efficiency: costs.Efficiency = costs.Efficiency()
+    page_size: int = 16  # tokens per KV page (the engine's default page)
+    memory_fraction: float = 0.9  # of HBM for weights + KV (vLLM's gpu_memory_utilization default)
+    kv_pages: int = 0  # KV pages per replica; 0: costs.kv_capacity_pages
+    max_batch: int = 256  # sequences a replica runs at once (vLLM's max_num_seqs default)
+    decode_chunk: int = 32  # decode steps per event at most (multi-step decode)
+    initial_growth: int = 256  # CTB footprint growth guess before a task's first turn (ours)
+    readiness_aware: bool = False  # CTB eviction order (policies.ctb.choose_evictions)
+    finished_window: int = 256  # finished tasks CTB's expected-remaining-turns estimate reads (ours)
+    sync_fixed_s: float = 0.5  # weight sync fixed part: drain, publish, barrier (ours)
+    switch_fixed_s: float = 3.0  # device move fixed part (BiDiRL reports a few seconds)
+    optimizer_bytes_per_param: float = 8.0  # Adam m and v in fp32: train state beyond the bf16 weights
+    seed: int = 0  # task shapes: rng seeded by (seed, group, sample)
+
+    def __post_init__(self):
+        workloads.workload(self.workload)
+        if self.accelerator:
+            hardware.accelerator(self.accelerator)
+        for name in ("tp", "page_size", "max_batch", "decode_chunk", "finished_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1")
+        for name in ("kv_pages", "initial_growth", "sync_fixed_s", "switch_fixed_s", "optimizer_bytes_per_param"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclasses.dataclass
+class SimTrajectory(Trajectory):
+    """A trajectory's counts without per-token lists: what the controller and metrics read."""
+    model_tokens: int = 0
+    context_tokens: int = 0
+    version_tokens: dict = dataclasses.field(default_factory=dict)  # policy version -> model tokens
+
+    @property
+    def num_generated(self) -> int:
+        return self.model_tokens
+
+    def oldest_version(self) -> int:
+        return min(self.version_tokens, default=-1)
+
+    def model_version_counts(self) -> dict[int, int]:
+        return dict(self.version_tokens)
+
+
+class _Seq:
+    """One task (a GRPO sample) on the rollout side."""
+    __slots__ = ("gid", "sample", "shape", "turn", "left", "ctx", "written", "versions", "replica", "future",
+                 "pinned", "kv_pages", "footprint", "tokens_added", "wait_started", "new_tokens", "cached",
+                 "finish_at", "admitted")
+
+    def __init__(self, gid: int, sample: int, shape: workloads.TaskSample, future: asyncio.Future):
+        self.gid, self.sample, self.shape, self.future = gid, sample, shape, future
+        self.turn = 0
+        self.left = shape.gen_tokens[0]  # tokens still to write this turn
+        self.ctx = shape.prompt_tokens  # tokens of context (prompt + written + observations)
+        self.written = 0
+        self.versions: dict[int, int] = {}
+        self.replica: _Replica | None = None
+        self.pinned = False  # CTB: KV held while the environment runs
+        self.kv_pages = 0  # pages it holds (running reservation or pinned)
+        self.footprint = 0  # CTB admission estimate (tokens), 0 before admission
+        self.tokens_added = 0
+        self.wait_started = 0.0
+        self.new_tokens = 0  # prefill work of its next event
+        self.cached = 0
+        self.finish_at = 0.0
+        self.admitted = False  # CTB task admission done
+
+
+class _Replica:
+    """A continuous-batching server on `tp` devices (state; `SimBackend._serve` runs it)."""
+
+    def __init__(self, rid: int, devices: tuple, capacity: int):
+        self.rid, self.devices, self.capacity = rid, devices, capacity  # capacity in pages
+        self.version = 0
+        self.queue: collections.deque[_Seq] = collections.deque()  # resumes and new tasks, FIFO
+        self.running: list[_Seq] = []
+        self.used = 0  # pages held by running (reserved to the turn's end) and pinned sequences
+        self.cache: collections.OrderedDict = collections.OrderedDict()  # seq -> (pages, tokens, version)
+        self.cache_pages = 0
+        self.pinned: dict[_Seq, None] = {}  # CTB: waiting tasks holding KV (insertion order)
+        self.footprints = 0  # CTB: admitted tasks' footprint estimates (tokens)
+        self.live = 0  # tasks placed here and not finished
+        self.prompts: dict[int, list] = {}  # gid -> [version written, samples here holding it]
+        self.wake: asyncio.Future | None = None
+        self.task: asyncio.Task | None = None
+        self.alive = True
+        self.busy = False  # an event in flight
+
+
+class SimBackend:
+    """Cost-modelled devices behind the controller's `Backend` interface (see the module docstring)."""
+
+    def __init__(self, config: SimConfig, *, mode: str, pool: DevicePool | None, num_devices: int,
+                 loop: clock_lib.VirtualTimeLoop | None = None):
+        self.cfg = config
+        self.mode = mode
+        self.pool = pool
+        self.num_devices = num_devices
+        self.loop = loop or clock_lib.new_event_loop()
+        self.workload = workloads.workload(config.workload)
+        self.shape = costs.model_shape(self.workload.model)
+        self.hw = hardware.accelerator(config.accelerator or self.workload.accelerator)
+        self.eff = config.efficiency
+        self.kv_mode = "ctb" if mode == "tiderl" else "request"
+        self.ps = config.page_size
+        if pool is not None and pool.group_size % config.tp:
+            raise ValueError(f"SimConfig.tp={config.tp} must divide the device group size {pool.group_size}")
+        if pool is None and num_devices % config.tp:
+            raise ValueError(f"SimConfig.tp={config.tp} must divide the {num_devices} devices")
+        self.capacity = config.kv_pages or costs.kv_capacity_pages(
+            self.shape, self.hw, self.ps, devices=config.tp, memory_fraction=config.memory_fraction)
+        self._kv_bytes = costs.kv_bytes_per_token(self.shape)
+        self._sync_s = costs.weight_sync_time(
+            self.shape, self.hw, receiver_devices=config.tp,
+            span_devices=config.tp if pool is None else num_devices, latency_s=config.sync_fixed_s)
+        self.replicas: dict[tuple, _Replica] = {}
+        self._rid = 0
+        self._load: list[tuple[int, int, _Replica]] = []  # lazy heap (live, rid, replica)
+        self.counters = dict(prompt_tokens=0, prompt_tokens_cached=0, prefill_tokens=0, decode_tokens=0,
+                             events=0, ctb_evictions=0, cache_evictions=0, moved_tasks=0)
+        self._finished: collections.deque[int] = collections.deque(maxlen=config.finished_window)
+        self._finishes = 0
+        self._remaining_turns: dict[int, float] = {}
+        self._mean_latency = self.workload.env_latency_s.mean()
+        self._ref_lock: asyncio.Lock | None = None  # created on the loop in start()
+        self.metrics = None
+        self._shared = pool is None
+        self._busy_replicas = 0
+        self._busy_since = 0.0
+        self._step_span = None
+        self._span_ctx = None
+        self._started = False
+        self.version = 0
+
+    @classmethod
+    def for_controller(cls, config: SimConfig, controller_config, num_devices: int) -> "SimBackend":
+        """The backend for a `ControllerConfig`: its mode and device groups over `num_devices` ids."""
+        c = controller_config
+        pool = split_devices(range(num_devices), mode=c.mode, group_size=c.device_group_size,
+                             rollout=c.rollout_groups, ref=c.ref_groups, train=c.train_groups, tensor=c.tensor)
+        return cls(config, mode=c.mode, pool=pool, num_devices=num_devices)
+
+    def attach(self, metrics) -> None:
+        """Exact busy accounting per replica into the controller's `RunMetrics` (module docstring)."""
+        self.metrics = metrics
+
+    # ---------------------------------------------------------------- the interface
+
+    def clock(self) -> float:
+        return self.loop.time()
+
+    def lanes(self) -> dict[str, int]:
+        return lanes_of(self.pool, self.num_devices)
+
+    @property
+    def has_ref_devices(self) -> bool:
+        return self.pool is not None and bool(self.pool.devices_of("ref"))
+
+    def _devices(self, role: str) -> list:
+        return list(range(self.num_devices)) if self.pool is None else self.pool.devices_of(role)
+
+    async def start(self, make_env, latency_for, step_span) -> None:
+        del make_env, latency_for  # environment latency comes from the workload
+        self._step_span = step_span
+        self._ref_lock = asyncio.Lock()
+        self._started = True
+        self._rebuild()
+
+    async def stop(self) -> None:
+        tasks = [r.task for r in self.replicas.values() if r.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._started = False
+
+    async def generate(self, task, group, sample, expected_group_size) -> Trajectory:
+        del expected_group_size
+        rng = np.random.default_rng([self.cfg.seed, group, sample])
+        shape = workloads.sample_task(self.workload, rng)
+        seq = _Seq(group, sample, shape, self.loop.create_future())
+        self._place(seq)
+        await seq.future
+        return SimTrajectory(task.task_id, task.kind, group, info={"sample": sample}, end_reason="answered",
+                             model_tokens=sum(shape.gen_tokens), context_tokens=shape.context_tokens,
+                             version_tokens=seq.versions)
+
+    def kv_hit_rate(self) -> float:
+        return self.counters["prompt_tokens_cached"] / max(1, self.counters["prompt_tokens"])
+
+    async def score_ref(self, trajectories: Sequence[Trajectory]) -> tuple[list, bool]:
+        tokens, seq_len = _tokens(trajectories)
+        async with self._ref_lock:
+            await asyncio.sleep(costs.score_time(self.shape, self.hw, tokens, devices=len(self._devices("ref")),
+                                                 seq_len=seq_len, eff=self.eff))
+        return [0.0] * len(trajectories), False
+
+    async def train(self, trajectories: Sequence[Trajectory]) -> dict:
+        tokens, seq_len = _tokens(trajectories)
+        n = len(self._devices("train"))
+        proximal = costs.score_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
+        has_ref = bool(trajectories) and all(t.info.get("ref_logp") is not None for t in trajectories)
+        ref = 0.0 if has_ref else proximal
+        update = costs.train_step_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
+        await asyncio.sleep(proximal + ref + update)
+        return dict(tokens=float(sum(t.model_tokens for t in trajectories)), reward=0.0, loss=0.0,
+                    time_proximal_s=proximal, time_ref_s=ref, time_update_s=update, compile_s=0.0)
+
+    async def publish(self, version: int) -> bool:
+        await asyncio.sleep(self._sync_s)
+        self.version = version
+        for r in self.replicas.values():
+            r.version = version
+        return True
+
+    async def move(self, from_role: str, to_role: str) -> None:
+        group = self.pool.group_size
+        self.pool = self.pool.moved(from_role, to_role)
+        state = self.shape.param_bytes + (self.shape.params * self.cfg.optimizer_bytes_per_param
+                                          if to_role == "train" else 0.0)
+        seconds = costs.switch_time(state, self.hw, devices=group, span_devices=len(self._devices(to_role)),
+                                    fixed_s=self.cfg.switch_fixed_s)
+        if from_role == "rollout":
+            self._rebuild()  # its replicas stop now
+        await asyncio.sleep(seconds)
+        if to_role == "rollout":
+            self._rebuild()  # new replicas serve once the weights are there
+
+    def compile_s(self) -> float:
+        return 0.0
+
+    def arrays(self) -> dict[str, Any] | None:
+        return None
+
+    def restore_arrays(self, arrays, *, step: int, version: int) -> None:
+        self.version = version
+
+    def load_policy(self, params, version: int) -> None:
+        del params, version
+
+    def stats(self) -> dict:
+        return dict(self.counters, replicas=len(self.replicas), kv_pages_per_replica=self.capacity,
+                    kv_hit_rate=self.kv_hit_rate())
+
+    # ---------------------------------------------------------------- replicas
+
+    def _rebuild(self) -> None:
+        """Replicas over the rollout devices now: kept where their devices stay, new ones empty,
+        removed ones' tasks placed elsewhere without their KV."""
+        devs = self._devices("rollout")
+        tp = self.cfg.tp
+        wanted = [tuple(devs[i:i + tp]) for i in range(0, len(devs) - tp + 1, tp)]
+        orphans: list[_Seq] = []
+        for key in [k for k in self.replicas if k not in set(wanted)]:
+            r = self.replicas.pop(key)
+            r.alive = False
+            if r.task is not None:
+                r.task.cancel()
+            if r.wake is not None and not r.wake.done():
+                r.wake.set_result(None)
+            self._busy_end(r, 0.0)  # its event is cut short (its progress is lost)
+            orphans.extend(r.running)
+            orphans.extend(r.queue)
+            for s in list(r.pinned) + list(r.cache):
+                s.pinned = False
+            for s in r.running + list(r.queue) + list(r.pinned):
+                s.kv_pages = 0
+        for key in wanted:
+            if key not in self.replicas:
+                r = _Replica(self._rid, key, self.capacity)
+                r.version = self.version
+                self._rid += 1
+                self.replicas[key] = r
+                heapq.heappush(self._load, (0, r.rid, r))
+                r.task = self.loop.create_task(self._serve(r), name=f"sim-replica-{r.rid}")
+        for s in orphans:  # tasks in flight continue on other replicas (sticky tasks now waiting: on return)
+            self.counters["moved_tasks"] += 1
+            s.replica = None
+            self._place(s)
+
+    def _pick(self) -> _Replica:
+        """The alive replica with the fewest live tasks (lowest id on ties), from a lazy heap."""
+        while self._load:
+            live, rid, r = self._load[0]
+            if not r.alive or live != r.live:
+                heapq.heappop(self._load)
+                continue
+            return r
+        raise RuntimeError("no rollout replica")
+
+    def _set_live(self, r: _Replica, delta: int) -> None:
+        r.live += delta
+        if r.alive:
+            heapq.heappush(self._load, (r.live, r.rid, r))
+
+    def _place(self, seq: _Seq) -> None:
+        r = self._pick()
+        seq.replica = r
+        self._set_live(r, +1)
+        if seq.admitted:  # a task moved off a removed replica keeps its CTB admission
+            r.footprints += seq.footprint
+        self._enqueue(r, seq)
+
+    def _enqueue(self, r: _Replica, seq: _Seq) -> None:
+        r.queue.append(seq)
+        if r.wake is not None and not r.wake.done():
+            r.wake.set_result(None)
+
+    def _env_return(self, seq: _Seq) -> None:
+        r = seq.replica
+        if r is None or not r.alive:  # its replica was moved away meanwhile
+            if r is not None:
+                r.live -= 1
+            self.counters["moved_tasks"] += 1
+            seq.pinned, seq.kv_pages = False, 0
+            self._place(seq)
+        else:
+            self._enqueue(r, seq)
+
+    # ---------------------------------------------------------------- admission
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.ps)
+
+    def _expected_remaining(self, turns_done: int) -> float:
+        cached = self._remaining_turns.get(turns_done)
+        if cached is None:
+            cached = ctb.expected_remaining_turns(turns_done, self._finished, self.workload.max_turns)
+            self._remaining_turns[turns_done] = cached
+        return cached
+
+    def _footprint(self, seq: _Seq) -> int:
+        margin = max(1.0, self._expected_remaining(seq.turn))
+        return ctb.estimate_footprint(seq.ctx, seq.turn, seq.tokens_added, initial_growth=self.cfg.initial_growth,
+                                      margin_turns=margin)
+
+    def _free(self, r: _Replica) -> int:
+        return r.capacity - r.used - r.cache_pages
+
+    def _evict_cache(self, r: _Replica, need: int, keep: _Seq | None) -> None:
+        """LRU: drops cached KV until `need` pages are free (never `keep`'s own entry)."""
+        for s in list(r.cache):
+            if self._free(r) >= need:
+                return
+            if s is keep:
+                continue
+            pages = r.cache.pop(s)[0]
+            r.cache_pages -= pages
+            self.counters["cache_evictions"] += 1
+
+    def _evict_pinned(self, r: _Replica, need: int) -> None:
+        """CTB: waiting tasks' KV dropped (into the prefix cache) by `ctb.choose_evictions`."""
+        shortfall = need - self._free(r)
+        if shortfall <= 0 or not r.pinned:
+            return
+        now = self.loop.time()
+        by_id = {}
+        signals = []
+        for i, s in enumerate(r.pinned):
+            by_id[i] = s
+            signals.append(ctb.TaskKVSignals(
+                task_id=i, is_eval=False, group_completion=0.0, is_active=False, context_len=s.kv_pages * self.ps,
+                expected_wait_s=max(0.0, self._mean_latency - (now - s.wait_started))))
+        for i in ctb.choose_evictions(signals, shortfall * self.ps, readiness_aware=self.cfg.readiness_aware):
+            s = by_id[i]
+            del r.pinned[s]
+            s.pinned = False
+            r.used -= s.kv_pages
+            full = (s.ctx // self.ps)
+            r.cache[s] = (s.kv_pages, full * self.ps, r.version)
+            r.cache_pages += s.kv_pages
+            s.kv_pages = 0
+            self.counters["ctb_evictions"] += 1
+
+    def _admit(self, r: _Replica) -> list[_Seq]:
+        """Sequences from the queue that start a turn now (FIFO, no overtaking)."""
+        admitted = []
+        ctb_mode = self.kv_mode == "ctb"
+        budget = r.capacity * self.ps
+        while r.queue and len(r.running) < self.cfg.max_batch:
+            s = r.queue[0]
+            if ctb_mode and not s.admitted:  # task-level admission on the footprint estimate
+                f = self._footprint(s)
+                if not ctb.admit_tasks([(0, f)], budget_tokens=budget, used_tokens=r.footprints):
+                    break
+                s.footprint, s.admitted = f, True
+                r.footprints += f
+            need = self._pages(s.ctx + s.left) - s.kv_pages  # to the end of the turn
+            entry = r.cache.get(s)
+            own = entry[0] if entry is not None else 0  # its own cached pages become its KV
+            if self._free(r) + own < need:
+                self._evict_cache(r, need - own, keep=s)
+                if ctb_mode and self._free(r) + own < need:
+                    self._evict_pinned(r, need - own)
+                    self._evict_cache(r, need - own, keep=s)
+                if self._free(r) + own < need and (r.used > 0 or r.running):
+                    break
+            r.queue.popleft()
+            # what is cached of the context: pinned KV, a prefix-cache entry of this version, the group prompt
+            if s.pinned:
+                cached = s.ctx - s.new_tokens  # all but the observation
+                del r.pinned[s]
+                s.pinned = False
+            else:
+                cached = 0
+                entry = r.cache.pop(s, None)
+                if entry is not None:
+                    r.cache_pages -= entry[0]
+                    if entry[2] == r.version:
+                        cached = entry[1]
+                if s.turn == 0 and s.written == 0:
+                    p = r.prompts.get(s.gid)
+                    if p is not None and p[0] == r.version and p[1] > 0:
+                        cached = max(cached, (s.shape.prompt_tokens - 1) // self.ps * self.ps)
+                    if p is None or p[0] != r.version:
+                        r.prompts[s.gid] = p = [r.version, 0]
+                    p[1] += 1
+            s.new_tokens = s.ctx - cached
+            self.counters["prompt_tokens"] += s.ctx
+            self.counters["prompt_tokens_cached"] += cached
+            self.counters["prefill_tokens"] += s.new_tokens
+            r.used += need
+            s.kv_pages += need
+            r.running.append(s)
+            admitted.append(s)
+        return admitted
+
+    # ---------------------------------------------------------------- serving
+
+    def _prefill_time(self, seqs: list[_Seq]) -> float:
+        n = c = pairs = 0.0
+        for s in seqs:
+            new, cached = s.new_tokens, s.ctx - s.new_tokens
+            n += new
+            c += cached
+            pairs += new * cached + new * (new + 1) / 2
+        if n == 0:
+            return 0.0
+        flops = 2.0 * self.shape.matmul_params * n + costs.attention_flops(self.shape, pairs)
+        bytes_moved = self.shape.param_bytes + self._kv_bytes * (c + n)
+        return costs.roofline(flops, bytes_moved, self.hw, self.eff.prefill_mfu, self.eff.mbu, self.cfg.tp)
+
+    async def _serve(self, r: _Replica) -> None:
+        loop = self.loop
+        tp = self.cfg.tp
+        while True:
+            new = self._admit(r)
+            if not r.running:
+                r.wake = loop.create_future()
+                await r.wake
+                r.wake = None
+                continue
+            prefill = self._prefill_time(new) if new else 0.0
+            for s in new:
+                s.new_tokens = 0
+            B = len(r.running)
+            K = min(self.cfg.decode_chunk, max(s.left for s in r.running))
+            context = sum(s.ctx for s in r.running)
+            step = costs.decode_step_time(self.shape, self.hw, B, int(context + B * (K - 1) / 2), devices=tp,
+                                          eff=self.eff)
+            dt = prefill + K * step
+            start = loop.time()
+            version = r.version
+            self._busy_begin(r)
+            try:
+                await asyncio.sleep(dt)
+            finally:
+                self._busy_end(r, dt)
+            self.counters["events"] += 1
+            still = []
+            for s in r.running:
+                k = min(K, s.left)
+                s.left -= k
+                s.ctx += k
+                s.written += k
+                s.versions[version] = s.versions.get(version, 0) + k
+                self.counters["decode_tokens"] += k
+                if s.left:
+                    still.append(s)
+                else:
+                    self._turn_end(r, s, start + prefill + k * step)
+            r.running = still
+
+    def _turn_end(self, r: _Replica, s: _Seq, at: float) -> None:
+        shape = s.shape
+        turn = s.turn
+        if turn + 1 >= len(shape.gen_tokens) or turn >= len(shape.obs_tokens):  # the task ends
+            self._finish(r, s)
+            return
+        obs = shape.obs_tokens[turn]
+        latency = shape.env_latency_s[turn]
+        s.turn = turn + 1
+        s.left = shape.gen_tokens[turn + 1]
+        if self.kv_mode == "ctb":  # KV kept and pinned; the reservation shrinks to the context
+            keep = self._pages(s.ctx)
+            r.used -= s.kv_pages - keep
+            s.kv_pages = keep
+            s.pinned = True
+            r.pinned[s] = None
+        else:  # the turn's KV becomes prefix cache (full pages), keyed by this version
+            r.used -= s.kv_pages
+            full = s.ctx // self.ps
+            r.cache[s] = (full, full * self.ps, r.version)
+            r.cache_pages += full
+            s.kv_pages = 0
+        s.ctx += obs
+        s.new_tokens = obs  # a pinned resume prefills only the observation
+        s.tokens_added = s.ctx - shape.prompt_tokens
+        if s.admitted:
+            f = self._footprint(s)
+            r.footprints += f - s.footprint
+            s.footprint = f
+        s.wait_started = at
+        self.loop.call_at(max(at + latency, self.loop.time()), self._env_return, s)
+
+    def _finish(self, r: _Replica, s: _Seq) -> None:
+        r.used -= s.kv_pages
+        s.kv_pages = 0
+        r.footprints -= s.footprint
+        s.footprint = 0
+        p = r.prompts.get(s.gid)
+        if p is not None:
+            p[1] -= 1
+            if p[1] <= 0:
+                del r.prompts[s.gid]
+        self._set_live(r, -1)
+        self._finished.append(len(s.shape.gen_tokens))
+        self._finishes += 1
+        if self._finishes % self.cfg.finished_window == 0 or self._finishes < self.cfg.finished_window:
+            self._remaining_turns.clear()
+        if not s.future.done():
+            s.future.set_result(None)
+
+    # ---------------------------------------------------------------- busy accounting
+
+    def _busy_begin(self, r: _Replica) -> None:
+        r.busy = True
+        self._busy_replicas += 1
+        if self._busy_replicas == 1:
+            if self.metrics is not None:
+                self._busy_since = self.metrics.now()
+            elif self._step_span is not None:
+                self._span_ctx = self._step_span()
+                self._span_ctx.__enter__()
+
+    def _busy_end(self, r: _Replica, seconds: float) -> None:
+        if not r.busy:
+            return
+        r.busy = False
+        self._busy_replicas -= 1
+        m = self.metrics
+        if m is not None and not self._shared:
+            n = len(self._devices("rollout")) or 1
+            m.busy_device_s["rollout"] += seconds * self.cfg.tp
+            m.busy_s["rollout"] += seconds * self.cfg.tp / n
+        if self._busy_replicas == 0:
+            if m is not None:
+                start, end = self._busy_since, m.now()
+                m.spans.append(("rollout", "generate", start, end))
+                if self._shared:
+                    m.busy_device_s["rollout"] += (end - start) * m.devices.get("rollout", 0)
+                    m.busy_s["rollout"] += end - start
+            elif self._span_ctx is not None:
+                ctx, self._span_ctx = self._span_ctx, None
+                ctx.__exit__(None, None, None)
+
+
+def _tokens(trajectories: Sequence[Trajectory]) -> tuple[int, float]:
+    """All context tokens of a batch (a forward pass reads them all) and the mean sequence length."""
+    total = sum(getattr(t, "context_tokens", 0) or len(t.tokens) for t in trajectories)
+    return total, total / max(1, len(trajectories))
+
+
+def make_controller(sim: SimConfig, controller_config, *, num_devices: int, logdir: str):
+    """(controller, backend) for a simulated run; run it with `backend.loop.run_until_complete(controller.run())`."""
+    from tiderl_jax.runtime.controller import Controller
+
+    backend = SimBackend.for_controller(sim, controller_config, num_devices)
+    controller = Controller(config=controller_config, logdir=logdir, backend=backend, checkpoints=False)
+    backend.attach(controller.metrics)
+    return controller, backend
+
+
+def run(sim: SimConfig, controller_config, *, num_devices: int, logdir: str) -> tuple[dict, Any, SimBackend]:
+    """Runs the controller on the simulator to its last step: (summary, controller, backend)."""
+    controller, backend = make_controller(sim, controller_config, num_devices=num_devices, logdir=logdir)
+    loop = backend.loop
+    try:
+        asyncio.set_event_loop(loop)
+        summary = loop.run_until_complete(controller.run())
+    finally:
+        asyncio.set_event_loop(None)
+        controller.metrics.close()
+        loop.close()
+    summary.update(sim=backend.stats())
+    return summary, controller, backend
+
+
