@@ -40,8 +40,9 @@ What is modelled (all parameters in `SimConfig`, each a documented default):
 - **Placement**: a task stays on its replica (sticky); a new task goes to the replica with the fewest
   live tasks (ties: lowest id). A replica removed by a move loses its KV; its tasks continue on
   others (their next prefill recomputes the whole context).
-- **Environment**: the workload's per-call latency (`workloads.sample_task`) between turns; a task's
-  shape is drawn from an rng seeded by (`seed`, group, sample), so runs are reproducible.
+- **Environment**: the workload's per-call latency between turns. Task shapes follow
+  `workloads.sample_task`'s rule, a GRPO group's samples drawn together (`sample_tasks`) from an rng
+  seeded by (`seed`, group), so runs are reproducible.
 - **Train** (`train_step_time`), **proximal and reference scoring** (`score_time`) over all context
   tokens of the batch, mean sequence length for attention; ref scored on the train devices unless
   the trajectories carry scores from the ref devices (RA2P decoupled). Ref jobs run one at a time.
@@ -98,7 +99,7 @@ class SimConfig:
     sync_fixed_s: float = 0.5  # weight sync fixed part: drain, publish, barrier (ours)
     switch_fixed_s: float = 3.0  # device move fixed part (BiDiRL reports a few seconds)
     optimizer_bytes_per_param: float = 8.0  # Adam m and v in fp32: train state beyond the bf16 weights
-    seed: int = 0  # task shapes: rng seeded by (seed, group, sample)
+    seed: int = 0  # task shapes: rng seeded by (seed, group)
 
     def __post_init__(self):
         workloads.workload(self.workload)
@@ -199,6 +200,13 @@ class SimBackend:
         self.capacity = config.kv_pages or costs.kv_capacity_pages(
             self.shape, self.hw, self.ps, devices=config.tp, memory_fraction=config.memory_fraction)
         self._kv_bytes = costs.kv_bytes_per_token(self.shape)
+        # costs.decode_step_time's terms, computed once (it is called at every replica event)
+        self._param_bytes, self._matmul_params = self.shape.param_bytes, self.shape.matmul_params
+        self._attn_per_pair = costs.attention_flops(self.shape, 1.0)
+        self._flops_rate = self.hw.peak_bf16_flops * config.efficiency.decode_mfu * config.tp
+        self._bytes_rate = self.hw.hbm_bandwidth * config.efficiency.mbu * config.tp
+        self._groups: dict[int, list] = {}  # gid -> [task shapes of its samples, samples not yet started]
+        self._rollout_devices = 0
         self._sync_s = costs.weight_sync_time(
             self.shape, self.hw, receiver_devices=config.tp,
             span_devices=config.tp if pool is None else num_devices, latency_s=config.sync_fixed_s)
@@ -263,15 +271,26 @@ class SimBackend:
         self._started = False
 
     async def generate(self, task, group, sample, expected_group_size) -> Trajectory:
-        del expected_group_size
-        rng = np.random.default_rng([self.cfg.seed, group, sample])
-        shape = workloads.sample_task(self.workload, rng)
+        shape = self._shape(group, sample, expected_group_size)
         seq = _Seq(group, sample, shape, self.loop.create_future())
         self._place(seq)
         await seq.future
         return SimTrajectory(task.task_id, task.kind, group, info={"sample": sample}, end_reason="answered",
                              model_tokens=sum(shape.gen_tokens), context_tokens=shape.context_tokens,
                              version_tokens=seq.versions)
+
+    def _shape(self, group: int, sample: int, group_size: int) -> workloads.TaskSample:
+        """Sample `sample` of `group`: the group's shapes are drawn together (`sample_tasks`) from an
+        rng seeded by (seed, group), so a run is reproducible whatever order samples start in."""
+        entry = self._groups.get(group)
+        if entry is None or sample >= len(entry[0]):
+            rng = np.random.default_rng([self.cfg.seed, group])
+            entry = self._groups[group] = [sample_tasks(self.workload, rng, max(group_size, sample + 1)), 0]
+        entry[1] += 1
+        shape = entry[0][sample]
+        if entry[1] >= len(entry[0]):
+            del self._groups[group]
+        return shape
 
     def kv_hit_rate(self) -> float:
         return self.counters["prompt_tokens_cached"] / max(1, self.counters["prompt_tokens"])
@@ -336,6 +355,7 @@ class SimBackend:
         """Replicas over the rollout devices now: kept where their devices stay, new ones empty,
         removed ones' tasks placed elsewhere without their KV."""
         devs = self._devices("rollout")
+        self._rollout_devices = len(devs)
         tp = self.cfg.tp
         wanted = [tuple(devs[i:i + tp]) for i in range(0, len(devs) - tp + 1, tp)]
         orphans: list[_Seq] = []
@@ -515,6 +535,12 @@ class SimBackend:
 
     # ---------------------------------------------------------------- serving
 
+    def _decode_step(self, batch: int, context_tokens: float) -> float:
+        """`costs.decode_step_time(shape, hw, batch, context_tokens, devices=tp, eff)`, its constants cached."""
+        flops = 2.0 * self._matmul_params * batch + self._attn_per_pair * context_tokens
+        bytes_moved = self._param_bytes + self._kv_bytes * (context_tokens + batch)
+        return max(flops / self._flops_rate, bytes_moved / self._bytes_rate)
+
     def _prefill_time(self, seqs: list[_Seq]) -> float:
         n = c = pairs = 0.0
         for s in seqs:
@@ -530,7 +556,6 @@ class SimBackend:
 
     async def _serve(self, r: _Replica) -> None:
         loop = self.loop
-        tp = self.cfg.tp
         while True:
             new = self._admit(r)
             if not r.running:
@@ -544,8 +569,7 @@ class SimBackend:
             B = len(r.running)
             K = min(self.cfg.decode_chunk, max(s.left for s in r.running))
             context = sum(s.ctx for s in r.running)
-            step = costs.decode_step_time(self.shape, self.hw, B, int(context + B * (K - 1) / 2), devices=tp,
-                                          eff=self.eff)
+            step = self._decode_step(B, context + B * (K - 1) / 2)
             dt = prefill + K * step
             start = loop.time()
             version = r.version
@@ -638,7 +662,7 @@ class SimBackend:
         self._busy_replicas -= 1
         m = self.metrics
         if m is not None and not self._shared:
-            n = len(self._devices("rollout")) or 1
+            n = self._rollout_devices or 1
             m.busy_device_s["rollout"] += seconds * self.cfg.tp
             m.busy_s["rollout"] += seconds * self.cfg.tp / n
         if self._busy_replicas == 0:
@@ -651,6 +675,40 @@ class SimBackend:
             elif self._span_ctx is not None:
                 ctx, self._span_ctx = self._span_ctx, None
                 ctx.__exit__(None, None, None)
+
+
+def sample_tasks(w: workloads.Workload, rng: np.random.Generator, n: int) -> list[workloads.TaskSample]:
+    """`n` task shapes by `workloads.sample_task`'s rule (same distributions, clipping and `max_context`
+    truncation), each distribution drawn once for all `n` tasks (a different random stream than `n`
+    calls of `sample_task`, ~10x cheaper)."""
+    prompts = np.minimum(np.maximum(1, np.rint(w.prompt_tokens.sample(rng, n))), w.max_context - 1).astype(int).tolist()
+    turns = np.minimum(np.maximum(1, np.rint(w.turns.sample(rng, n))), w.max_turns).astype(int).tolist()
+    gen = np.maximum(1, np.rint(w.tokens_per_turn.sample(rng, (n, w.max_turns)))).astype(int).tolist()
+    obs = np.maximum(0, np.rint(w.observation_tokens.sample(rng, (n, w.max_turns)))).astype(int).tolist()
+    lat = np.asarray(w.env_latency_s.sample(rng, (n, w.max_turns)), float).tolist()
+    out = []
+    for i in range(n):
+        prompt = int(prompts[i])
+        context, g, o, la, truncated = prompt, [], [], [], False
+        for turn in range(int(turns[i])):
+            tokens = gen[i][turn]
+            if context + tokens >= w.max_context:
+                g.append(w.max_context - context)
+                truncated = True
+                break
+            g.append(tokens)
+            context += tokens
+            if turn == turns[i] - 1:
+                break
+            observation = obs[i][turn]
+            if context + observation >= w.max_context:
+                truncated = True
+                break
+            o.append(observation)
+            la.append(lat[i][turn])
+            context += observation
+        out.append(workloads.TaskSample(prompt, tuple(g), tuple(o), tuple(la), truncated))
+    return out
 
 
 def _tokens(trajectories: Sequence[Trajectory]) -> tuple[int, float]:
