@@ -162,7 +162,8 @@ class _Replica:
     def __init__(self, rid: int, devices: tuple, capacity: int):
         self.rid, self.devices, self.capacity = rid, devices, capacity  # capacity in pages
         self.version = 0
-        self.queue: collections.deque[_Seq] = collections.deque()  # resumes and new tasks, FIFO
+        self.pending: collections.deque[_Seq] = collections.deque()  # CTB: new tasks awaiting task admission
+        self.queue: collections.deque[_Seq] = collections.deque()  # the engine's queue: turns to start, FIFO
         self.running: list[_Seq] = []
         self.used = 0  # pages held by running (reserved to the turn's end) and pinned sequences
         self.cache: collections.OrderedDict = collections.OrderedDict()  # seq -> (pages, tokens, version)
@@ -369,6 +370,7 @@ class SimBackend:
             self._busy_end(r, 0.0)  # its event is cut short (its progress is lost)
             orphans.extend(r.running)
             orphans.extend(r.queue)
+            orphans.extend(r.pending)
             for s in list(r.pinned) + list(r.cache):
                 s.pinned = False
             for s in r.running + list(r.queue) + list(r.pinned):
@@ -410,7 +412,7 @@ class SimBackend:
         self._enqueue(r, seq)
 
     def _enqueue(self, r: _Replica, seq: _Seq) -> None:
-        r.queue.append(seq)
+        (r.pending if self.kv_mode == "ctb" and not seq.admitted else r.queue).append(seq)
         if r.wake is not None and not r.wake.done():
             r.wake.set_result(None)
 
@@ -485,14 +487,17 @@ class SimBackend:
         admitted = []
         ctb_mode = self.kv_mode == "ctb"
         budget = r.capacity * self.ps
+        while r.pending:  # CTB task-level admission on the footprint estimate (first come, first served)
+            s = r.pending[0]
+            f = self._footprint(s)
+            if not ctb.admit_tasks([(0, f)], budget_tokens=budget, used_tokens=r.footprints):
+                break
+            r.pending.popleft()
+            s.footprint, s.admitted = f, True
+            r.footprints += f
+            r.queue.append(s)
         while r.queue and len(r.running) < self.cfg.max_batch:
             s = r.queue[0]
-            if ctb_mode and not s.admitted:  # task-level admission on the footprint estimate
-                f = self._footprint(s)
-                if not ctb.admit_tasks([(0, f)], budget_tokens=budget, used_tokens=r.footprints):
-                    break
-                s.footprint, s.admitted = f, True
-                r.footprints += f
             need = self._pages(s.ctx + s.left) - s.kv_pages  # to the end of the turn
             entry = r.cache.get(s)
             own = entry[0] if entry is not None else 0  # its own cached pages become its KV
