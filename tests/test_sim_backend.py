@@ -75,11 +75,13 @@ def test_deterministic_for_a_seed(tmp_path):
 
 
 def test_ers_moves_a_group(tmp_path):
+    # the trainer holds two groups and waits for the rollout's one: a generation deficit
     summary, controller, backend = _run(tmp_path, "tiderl", steps=6, ers_economics=False, ers_patience=1,
-                                        ers_cooldown=0)
+                                        ers_cooldown=0, rollout_groups=1, train_groups=2)
     assert summary["moves"] >= 1 and controller.moves
     first = controller.moves[0]
-    groups = {"rollout": 2, "ref": 1, "train": 1}
+    assert (first["frm"], first["to"]) == ("train", "rollout")
+    groups = {"rollout": 1, "ref": 1, "train": 2}
     groups[first["frm"]] -= 1
     groups[first["to"]] += 1
     assert first["seconds"] > 0
