@@ -1,6 +1,6 @@
 """Cluster-scale simulator (issue 8): the same controller and policies on cost-modelled devices.
 
-Parts that exist now, self-contained and not yet wired to the controller:
+Parts: `backend` (`SimBackend`: the runtime controller's `Backend` on the parts below; `run`), and
 - `hardware`: accelerator presets from vendor specs (H100, H200, TPU v5e, TPU v5p);
 - `costs`: roofline cost models (prefill, decode, KV capacity, train, ref scoring, weight sync,
   device moves) and model shapes (Qwen2.5-7B / 14B);
