@@ -35,7 +35,7 @@ class ParityEnv:
         return StepResult(None, float(len(action) % 2 == 0), True)
 
 
-def _controller(tmp_path, mode, **kw):
+def _controller(tmp_path, mode, make_env=None, **kw):
     cfg = ControllerConfig(mode=mode, **{**dict(steps=3, groups_per_step=2, group_size=2, max_concurrent=8,
                                                 ers_patience=1, ers_cooldown=0), **kw})
     return Controller(
@@ -45,7 +45,7 @@ def _controller(tmp_path, mode, **kw):
         rollout_config=RolloutConfig(max_turns=2, max_new_tokens=16, max_context=1024),
         trainer_config=TrainerConfig(loss=LossConfig(kl_coef=0.05), learning_rate=1e-3, warmup_steps=0,
                                      total_steps=10, row_len=1024, micro_rows=4),
-        latency=LatencyModel(0.02, 0.5), logdir=str(tmp_path / mode), make_env=lambda t: ParityEnv())
+        latency=LatencyModel(0.02, 0.5), logdir=str(tmp_path / mode), make_env=make_env or (lambda t: ParityEnv()))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "tiderl"])
@@ -58,6 +58,10 @@ def test_each_mode_trains_and_syncs(tmp_path, mode):
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(c.trainer.params)))
     for a, b in zip(jax.tree.leaves(c.engine.runner.params), jax.tree.leaves(c.trainer.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the rollout serves the latest weights
+    ledger = summary["ledger"]  # every admitted sample ended once, or is still running
+    ended = sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
+    assert ledger["admitted"] == ledger.get("completed", 0) + ended + c.running
+    assert summary["steps"] * c.cfg.batch_samples <= ledger["completed"] - ledger.get("dropped:stale", 0)
     lag = max(summary["staleness"])
     assert lag <= c.cfg.staleness.eta  # nothing staler than the bound was consumed
     if mode == "sync":
@@ -77,6 +81,25 @@ def test_ers_moves_devices_and_results_stay_right(tmp_path):
     for a, b in zip(jax.tree.leaves(c.engine.runner.params), jax.tree.leaves(c.trainer.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert summary["steps"] == 3 and max(summary["staleness"]) <= c.cfg.staleness.eta
+
+
+class BrokenEnv(ParityEnv):
+    async def step(self, action):
+        raise RuntimeError("tool crashed")
+
+
+def test_failed_samples_are_dropped_with_their_reason_and_the_run_goes_on(tmp_path):
+    made = []
+
+    def make_env(task):  # every third environment fails its step
+        made.append(task)
+        return BrokenEnv() if len(made) % 3 == 0 else ParityEnv()
+    c = _controller(tmp_path, "async", make_env=make_env)
+    summary = asyncio.run(c.run())
+    ledger = summary["ledger"]
+    assert summary["steps"] == 3 and ledger["dropped:env_error"] >= 1
+    assert ledger["admitted"] == ledger["completed"] + ledger["dropped:env_error"] + c.running
+    assert all(t.failure is None for g in c.ready for t in g.trajectories)  # never trained on
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path):

@@ -115,6 +115,8 @@ class _Group:
     task: Task
     trajectories: list = dataclasses.field(default_factory=list)
     launched: int = 0  # samples started in this process (a resumed group keeps its finished ones)
+    finished: int = 0  # of those, how many ended (completed or dropped)
+    dropped: list = dataclasses.field(default_factory=list)  # samples that ended without training data
     arrived: float = 0.0  # when its last sample finished
     ref_job: asyncio.Future | None = None  # decoupled ref scoring in flight
 
@@ -158,6 +160,9 @@ class Controller:
         self.accepted = 0  # fresh samples accepted into the ready buffer
         self.discarded = 0  # over-stale samples dropped
         self.syncs_failed = 0
+        # every admitted sample ends once: completed (then trained, or still ready at the end) or
+        # dropped with its reason (`dropped:<reason>`); `dropped:stale` ones were completed first
+        self.ledger: collections.Counter = collections.Counter()
         self.ready: collections.deque[_Group] = collections.deque()
         self.in_flight: dict[int, _Group] = {}
         self.resume_groups: list[_Group] = []  # in-flight groups of a checkpoint, to complete
@@ -210,18 +215,34 @@ class Controller:
             else:
                 group = _Group(self.cursor, self._next_task())
             self.in_flight[group.gid] = group
-            missing = [i for i in range(G) if i not in {t.info.get("sample") for t in group.trajectories}]
-            group.launched = len(missing)
+            ended = {t.info.get("sample") for t in group.trajectories} | set(group.dropped)
+            missing = [i for i in range(G) if i not in ended]
+            group.launched, group.finished = len(missing), 0
             self.running += len(missing)
+            self.ledger["admitted"] += len(missing)
             for i in missing:
                 job = asyncio.create_task(self._one_sample(group, i))
                 self._sample_tasks.add(job)
                 job.add_done_callback(self._sample_tasks.discard)
 
     async def _one_sample(self, group: _Group, sample: int):
-        traj = await self.backend.generate(group.task, group.gid, sample, self.cfg.group_size)
-        group.trajectories.append(traj)
-        if len(group.trajectories) < self.cfg.group_size:
+        """Generates one sample of a group; the group goes to the ready buffer when its last one ends.
+        A sample ends exactly once: completed, or dropped with its reason (a failed task, whose
+        failure the rollout already retried where that is the right thing, or an error here)."""
+        try:
+            traj = await self.backend.generate(group.task, group.gid, sample, self.cfg.group_size)
+            reason = traj.end_reason if traj.failure else None
+        except Exception as e:  # noqa: BLE001 - one sample's error must not stop the run
+            log.warning("sample %d of group %d failed: %s: %s", sample, group.gid, type(e).__name__, e)
+            traj, reason = None, f"error:{type(e).__name__}"
+        group.finished += 1
+        if reason is None:
+            group.trajectories.append(traj)
+            self.ledger["completed"] += 1
+        else:
+            group.dropped.append(sample)
+            self.ledger[f"dropped:{reason}"] += 1
+        if group.finished < group.launched:
             return
         group.trajectories.sort(key=lambda t: t.info["sample"])
         self.running -= group.launched
@@ -235,6 +256,12 @@ class Controller:
             self.ready.append(group)
         self._wake.set()
 
+    def _check_producer(self) -> None:
+        """Raises what killed the producer (the trainer would otherwise wait for data forever)."""
+        producer = getattr(self, "_producer", None)
+        if producer is not None and producer.done() and not producer.cancelled() and producer.exception():
+            raise RuntimeError("the rollout producer failed; no more data will arrive") from producer.exception()
+
     def _drop_stale(self, group: _Group) -> int:
         """Drops the group's samples whose oldest token is more than eta versions behind now;
         returns how many."""
@@ -243,6 +270,7 @@ class Controller:
                  if t.oldest_version() < 0 or staleness.is_fresh(t.oldest_version(), self.version, eta)]
         dropped = len(group.trajectories) - len(fresh)
         self.discarded += dropped
+        self.ledger["dropped:stale"] += dropped
         group.trajectories = fresh
         if dropped:
             self._wake.set()  # capacity freed: the producer replaces them
@@ -269,6 +297,7 @@ class Controller:
         with self.metrics.data_wait():
             while len(batch) < self.cfg.groups_per_step:
                 while not self.ready:
+                    self._check_producer()
                     self._wake.clear()
                     await self._wake.wait()
                     arrivals.append(self.clock())
@@ -400,9 +429,11 @@ class Controller:
         meta = dict(step=self.step, version=self.version, cursor=self.cursor,
                     ready=[dict(gid=g.gid, task=dataclasses.asdict(g.task),
                                 trajectories=[t.to_dict() for t in g.trajectories]) for g in self.ready],
-                    in_flight=[dict(gid=g.gid, task=dataclasses.asdict(g.task),
+                    in_flight=[dict(gid=g.gid, task=dataclasses.asdict(g.task), dropped=list(g.dropped),
                                     trajectories=[t.to_dict() for t in g.trajectories])
-                               for g in self.in_flight.values()])
+                               for g in self.in_flight.values()],
+                    # samples still running are admitted again on resume: the ledger forgets them
+                    ledger=dict(self.ledger, admitted=self.ledger["admitted"] - self.running))
         if self.checkpointer is None:
             return
         self.checkpointer.save(self.step, self.backend.arrays(), meta)
@@ -423,8 +454,10 @@ class Controller:
             self.accepted += len(group.trajectories)
         self.accepted += self.version * self.cfg.batch_samples  # consumed before the checkpoint
         self.resume_groups = [_Group(g["gid"], Task(**g["task"]),
-                                     [Trajectory.from_dict(t) for t in g["trajectories"]])
+                                     [Trajectory.from_dict(t) for t in g["trajectories"]],
+                                     dropped=list(g.get("dropped", [])))
                               for g in meta["in_flight"]]
+        self.ledger = collections.Counter(meta.get("ledger", {}))
         log.info("resumed at step %d (version %d): %d ready groups, %d in-flight groups to complete",
                  self.step, self.version, len(self.ready), len(self.resume_groups))
         return True
@@ -436,7 +469,8 @@ class Controller:
             self.metrics.begin()
         await self.backend.start(self._make_env, lambda t: self.latency,
                                  lambda: self.metrics.span("rollout", "generate"))
-        producer = asyncio.create_task(self._produce())
+        producer = self._producer = asyncio.create_task(self._produce())
+        producer.add_done_callback(lambda _: self._wake.set())  # a producer that died wakes the trainer
         last = self.clock()
         try:
             while self.step < self.cfg.steps:
@@ -473,7 +507,7 @@ class Controller:
         finally:
             self._stop = True
             self._wake.set()
-            await producer
+            await asyncio.gather(producer, return_exceptions=True)  # its failure is raised above
             self.save(wait=True)
             await self.shutdown()
         return self.summary()
@@ -482,7 +516,7 @@ class Controller:
         s = self.metrics.summary()
         s.update(mode=self.cfg.mode, kv_hit_rate=self.backend.kv_hit_rate(),
                  discarded=self.discarded, moves=len(self.moves), ers_refused=self.ers_refused,
-                 syncs_failed=self.syncs_failed)
+                 syncs_failed=self.syncs_failed, ledger=dict(self.ledger))
         return s
 
     async def shutdown(self) -> None:
