@@ -21,12 +21,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Sequence
 
 import jax
 from flax import nnx
 
-from tiderl_jax.agents.env import Task
 from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.engine.engine import Engine, EngineConfig
@@ -34,43 +33,8 @@ from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, make_mesh, place_copy
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
-from tiderl_jax.runtime.devices import DevicePool, WeightSync, model_on
-
-
-class Backend(Protocol):
-    pool: DevicePool | None
-
-    def clock(self) -> float: ...
-    def lanes(self) -> dict[str, int]: ...
-    @property
-    def has_ref_devices(self) -> bool: ...
-    async def start(self, make_env: Callable, latency_for: Callable, step_span: Callable) -> None: ...
-    async def stop(self) -> None: ...
-    async def generate(self, task: Task, group: int, sample: int, expected_group_size: int) -> Trajectory: ...
-    def kv_hit_rate(self) -> float: ...
-    async def score_ref(self, trajectories: Sequence[Trajectory]) -> tuple[list, bool]: ...
-    async def train(self, trajectories: Sequence[Trajectory]) -> dict: ...
-    async def publish(self, version: int) -> bool: ...
-    async def move(self, from_role: str, to_role: str) -> None: ...
-    def compile_s(self) -> float: ...
-    def arrays(self) -> dict[str, Any] | None: ...
-    def restore_arrays(self, arrays: dict[str, Any], *, step: int, version: int) -> None: ...
-    def load_policy(self, params, version: int) -> None: ...
-
-
-def split_devices(devices: Sequence, *, mode: str, group_size: int, rollout: int, ref: int, train: int,
-                  tensor: int) -> DevicePool | None:
-    """The device groups of a mode: None for sync (one set for everything), else the pool."""
-    if mode == "sync":
-        return None
-    return DevicePool.split(devices, group_size=group_size, rollout=rollout, ref=ref, train=train, tensor=tensor)
-
-
-def lanes_of(pool: DevicePool | None, num_devices: int) -> dict[str, int]:
-    """Devices per metrics lane (sync: rollout and train both hold all of them, taking turns)."""
-    if pool is None:
-        return {"rollout": num_devices, "train": num_devices}
-    return {r: len(pool.devices_of(r)) for r in ("rollout", "ref", "train")}
+from tiderl_jax.runtime.devices import WeightSync, model_on
+from tiderl_jax.runtime.pool import Backend, DevicePool, lanes_of, split_devices  # noqa: F401 (re-exported)
 
 
 class JaxBackend:

@@ -37,26 +37,24 @@ import dataclasses
 import logging
 import math
 import zlib
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import jax
 import numpy as np
 
 from tiderl_jax.agents import tasks as task_lib
 from tiderl_jax.agents.env import LatencyModel, Task
-from tiderl_jax.agents.rollout import RolloutConfig
 from tiderl_jax.agents.trajectory import Trajectory
-from tiderl_jax.engine.engine import EngineConfig
 from tiderl_jax.model.config import ConfigError
-from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import DEFAULT_RULES, Rules
-from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.policies import ers, ra2p, staleness
-from tiderl_jax.rl.checkpoint import Checkpointer
-from tiderl_jax.rl.trainer import TrainerConfig
-from tiderl_jax.runtime.backend import Backend, JaxBackend, split_devices
-from tiderl_jax.runtime.devices import DevicePool
 from tiderl_jax.runtime.metrics import RunMetrics
+from tiderl_jax.runtime.pool import Backend, DevicePool, split_devices
+
+if TYPE_CHECKING:  # the JAX side is imported only when a JaxBackend is built (the simulator needs none)
+    from tiderl_jax.agents.rollout import RolloutConfig
+    from tiderl_jax.engine.engine import EngineConfig
+    from tiderl_jax.model.decoder import Decoder
+    from tiderl_jax.model.tokenizer import Tokenizer
+    from tiderl_jax.rl.trainer import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +126,7 @@ class Controller:
     def __init__(self, model: Decoder | None = None, tokenizer: Tokenizer | None = None, *,
                  config: ControllerConfig, engine_config: EngineConfig | None = None,
                  rollout_config: RolloutConfig | None = None, trainer_config: TrainerConfig | None = None,
-                 latency: LatencyModel = LatencyModel(), logdir: str, rules: Rules = DEFAULT_RULES,
+                 latency: LatencyModel = LatencyModel(), logdir: str, rules=None,
                  make_env: Callable[[Task], object] | None = None, devices: Sequence | None = None,
                  backend: Backend | None = None, checkpoints: bool = True):
         self.cfg = config
@@ -139,18 +137,26 @@ class Controller:
             if model is None or tokenizer is None or None in (engine_config, rollout_config, trainer_config):
                 raise ConfigError("Controller needs a backend, or a model, a tokenizer and the engine, "
                                   "rollout and trainer configs to build one")
+            import jax
+
+            from tiderl_jax.model.sharding import DEFAULT_RULES
+            from tiderl_jax.runtime.backend import JaxBackend
             devices = list(devices or jax.devices())
             pool = split_devices(devices, mode=config.mode, group_size=config.device_group_size,
                                  rollout=config.rollout_groups, ref=config.ref_groups,
                                  train=config.train_groups, tensor=config.tensor)
             backend = JaxBackend(model, tokenizer, mode=config.mode, pool=pool, engine_config=engine_config,
-                                 rollout_config=rollout_config, trainer_config=trainer_config, rules=rules,
+                                 rollout_config=rollout_config, trainer_config=trainer_config,
+                                 rules=rules or DEFAULT_RULES,
                                  devices=devices, tensor=config.tensor)
         self.backend = backend
         self.clock = backend.clock
         self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=backend.lanes(), clock=self.clock,
                                   shared=("rollout", "train") if backend.pool is None else ())
-        self.checkpointer = Checkpointer(f"{logdir}/checkpoints", keep=2) if checkpoints else None
+        self.checkpointer = None
+        if checkpoints:
+            from tiderl_jax.rl.checkpoint import Checkpointer  # orbax + JAX: only runs that save need it
+            self.checkpointer = Checkpointer(f"{logdir}/checkpoints", keep=2)
         self.logdir = logdir
         # run state
         self.version = 0

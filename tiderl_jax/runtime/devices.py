@@ -22,71 +22,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Mapping
+from typing import Callable
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from tiderl_jax.model.config import ConfigError
-from tiderl_jax.model.sharding import ActivationSharding, Rules, make_mesh, place_copy, state_shardings
+from tiderl_jax.model.sharding import ActivationSharding, Rules, place_copy, state_shardings
+
+from tiderl_jax.runtime.pool import ROLES, DevicePool  # noqa: F401 (re-exported: the pool lives there)
 
 log = logging.getLogger(__name__)
-
-ROLES = ("rollout", "ref", "train")
-
-
-@dataclasses.dataclass(frozen=True)
-class DevicePool:
-    devices: tuple  # all devices, in a fixed order
-    group_size: int  # devices per group
-    roles: Mapping[str, tuple[int, ...]]  # role -> group ids it owns
-    tensor: int = 1  # tensor-parallel size of each role's mesh (when it divides the role's devices)
-
-    @classmethod
-    def split(cls, devices, *, group_size: int, rollout: int, train: int, ref: int = 0,
-              tensor: int = 1) -> "DevicePool":
-        """`rollout`, `ref` and `train` groups of `group_size` devices, in that order."""
-        devices = tuple(devices)
-        need = (rollout + ref + train) * group_size
-        if group_size < 1 or need != len(devices):
-            raise ConfigError(f"device split: ({rollout} rollout + {ref} ref + {train} train) groups x "
-                              f"{group_size} devices = {need}, but there are {len(devices)} devices")
-        if rollout < 1 or train < 1:
-            raise ConfigError(f"device split: rollout={rollout} and train={train} groups must be >= 1")
-        ids = iter(range(rollout + ref + train))
-        roles = {"rollout": tuple(next(ids) for _ in range(rollout)),
-                 "ref": tuple(next(ids) for _ in range(ref)),
-                 "train": tuple(next(ids) for _ in range(train))}
-        return cls(devices, group_size, roles, tensor)
-
-    def devices_of(self, role: str) -> list:
-        g = self.group_size
-        return [d for gid in sorted(self.roles[role]) for d in self.devices[gid * g:(gid + 1) * g]]
-
-    def num_groups(self, role: str) -> int:
-        return len(self.roles[role])
-
-    def mesh(self, role: str) -> Mesh | None:
-        """The role's `fsdp x tensor` mesh; None for a role without devices."""
-        devs = self.devices_of(role)
-        if not devs:
-            return None
-        tensor = self.tensor if len(devs) % self.tensor == 0 else 1
-        return make_mesh({"data": 1, "fsdp": len(devs) // tensor, "tensor": tensor}, devs)
-
-    def moved(self, src: str, dst: str) -> "DevicePool":
-        """A pool with one group of `src` handed to `dst` (the highest-numbered one)."""
-        if src not in ROLES or dst not in ROLES or src == dst:
-            raise ConfigError(f"device move {src} -> {dst}: roles are {ROLES} and must differ")
-        if not self.roles[src]:
-            raise ConfigError(f"device move {src} -> {dst}: {src} has no group to give")
-        gid = max(self.roles[src])
-        roles = dict(self.roles)
-        roles[src] = tuple(g for g in roles[src] if g != gid)
-        roles[dst] = tuple(sorted(roles[dst] + (gid,)))
-        return dataclasses.replace(self, roles=roles)
-
 
 def reshard(tree, mesh: Mesh, rules: Rules):
     """A copy of an nnx.State (params, or anything with `axes` metadata) on `mesh` by the rules

@@ -76,8 +76,7 @@ import numpy as np
 
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.policies import ctb
-from tiderl_jax.runtime.backend import lanes_of, split_devices
-from tiderl_jax.runtime.devices import DevicePool
+from tiderl_jax.runtime.pool import DevicePool, lanes_of, split_devices
 from tiderl_jax.sim import clock as clock_lib
 from tiderl_jax.sim import costs, hardware, workloads
 
