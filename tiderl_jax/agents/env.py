@@ -95,6 +95,17 @@ Tool = Callable[[Mapping[str, Any]], str | Observation | Awaitable[str | Observa
 Score = Callable[[Task, str], float | Awaitable[float]]
 
 
+class EnvRewound(Exception):
+    """Raised by an environment's `step` when it failed and came back at an earlier turn (restored
+    from a checkpoint, or reset: turn 0). `turn` counts the environment steps the restored state has
+    answered; the rollout cuts its trajectory back to just after that step's observation and
+    generates from there (`faults/env_worker.py`'s `CheckpointingEnv` raises it)."""
+
+    def __init__(self, turn: int, observation=None, attempt: int = 1, cause: Exception | None = None):
+        super().__init__(f"environment rewound to turn {turn} (recovery {attempt}): {cause!r}")
+        self.turn, self.observation, self.attempt, self.cause = turn, observation, attempt, cause
+
+
 class ToolError(Exception):
     """A tool refused its arguments; the message is shown to the model."""
 

@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tiderl_jax.agents.env import Environment, LatencyModel, Observation, Task, as_observation
+from tiderl_jax.agents.env import EnvRewound, Environment, LatencyModel, Observation, Task, as_observation
 from tiderl_jax.agents.tasks import SYSTEM_PROMPT
 from tiderl_jax.agents.trajectory import Trajectory, Turn
 from tiderl_jax.engine.engine import Engine, Request, SequenceOutput
@@ -95,6 +95,7 @@ class _TaskState:
     done: bool = False
     pending_obs: list = dataclasses.field(default_factory=list)  # observation tokens to resume with
     pending_images: list = dataclasses.field(default_factory=list)  # their images (offsets into them)
+    restart: bool = False  # the next turn starts a fresh engine sequence (after a rewind)
 
 
 class _Driver:
@@ -158,7 +159,7 @@ class RolloutRunner:
         self.engine = engine
         self.tok = tokenizer
         self.config = config
-        self.metrics = dict(tasks=0, completed=0, failed=0, malformed_turns=0, turns=0,
+        self.metrics = dict(tasks=0, completed=0, failed=0, rewinds=0, malformed_turns=0, turns=0,
                             generated_tokens=0, ctb_evictions=0, env_seconds=0.0)
         self._states: dict[str, _TaskState] = {}
         self._group_sizes: dict[int, int] = {}
@@ -212,9 +213,15 @@ class RolloutRunner:
         context = encoded.ids
         traj.extend(context, generated=False, images=encoded.images)
         stop = (self.tok.eos_id,)
+        marks = [len(traj.tokens)]  # trajectory length after the prompt, then after each observation
         await admission.acquire(s, self._footprint(s, len(context)))
         try:
-            for turn in range(cfg.max_turns):
+            turn = -1
+            while True:
+                turn += 1
+                if turn >= cfg.max_turns:
+                    traj.end_reason = "max_turns"
+                    break
                 if len(traj.tokens) + cfg.max_new_tokens > cfg.max_context:
                     traj.end_reason = "context_limit"
                     break
@@ -240,6 +247,13 @@ class RolloutRunner:
                 try:
                     async with env_slots:
                         result = await asyncio.wait_for(env.step(text), cfg.env_timeout_s)
+                except EnvRewound as r:  # the environment crashed and came back at turn r.turn
+                    try:
+                        self._rewind(driver, s, traj, marks, r.turn)
+                    except ValueError as e:
+                        return self._fail(traj, s, "env_error", str(e))
+                    turn = r.turn - 1
+                    continue
                 except asyncio.TimeoutError:
                     traj.turns.append(Turn(start, start + n, gen_s, time.perf_counter() - t1))
                     return self._fail(traj, s, "env_timeout", f"environment step exceeded {cfg.env_timeout_s}s")
@@ -265,17 +279,36 @@ class RolloutRunner:
                     traj.end_reason = "context_limit"  # the observation and a next turn do not fit
                     break
                 traj.extend(obs, generated=False, images=obs_images)
+                marks.append(len(traj.tokens))
                 s.turns_done += 1
                 s.tokens_added = len(traj.tokens) - len(context)
                 admission.update(s, self._footprint(s, len(traj.tokens)))
                 s.pending_obs, s.pending_images = obs, obs_images
-            else:
-                traj.end_reason = "max_turns"
             self.metrics["completed"] += 1
             return traj
         finally:
             self._finish(driver, s)
             admission.release(s)
+
+    def _rewind(self, driver: _Driver, s: _TaskState, traj: Trajectory, marks: list[int], turn: int):
+        """Cuts the trajectory back to just after environment step `turn`'s observation (0: the
+        prompt) and drops the engine's sequence: the next turn is a fresh request over what is left
+        (its KV recomputed, or found in the prefix cache)."""
+        if not 0 <= turn < len(marks):
+            raise ValueError(f"environment rewound to turn {turn}, but the task has only reached "
+                               f"turn {len(marks) - 1}")
+        keep = marks[turn]
+        for name in ("tokens", "loss_mask", "logprobs", "model_logprobs", "versions"):
+            del getattr(traj, name)[keep:]
+        traj.images[:] = [im for im in traj.images if im.offset < keep]
+        del traj.turns[turn:]
+        del marks[turn + 1:]
+        s.turns_done, s.tokens_added = turn, keep - marks[0]
+        s.restart = True
+        self.metrics["rewinds"] += 1
+        if s.handle is not None:
+            self._release(driver, s.handle)
+            s.handle = None
 
     def _patches(self, obs: Observation) -> tuple[np.ndarray, ...]:
         """The observation's raw images as the model's patches; RequestError when it takes none."""
@@ -314,9 +347,11 @@ class RolloutRunner:
     async def _engine_turn(self, driver, s, traj, turn, sampling) -> SequenceOutput:
         eng = self.engine
         if self.config.mode == "ctb":
-            if turn == 0:
+            if turn == 0 or s.restart:
+                s.restart = False  # (after a rewind: the seeded stream goes on where it was)
                 req = Request(list(traj.tokens), sampling, keep_kv=True, images=list(traj.images),
-                              priority=ctb.task_priority(self._signals(s), self.config.weights))
+                              priority=ctb.task_priority(self._signals(s), self.config.weights),
+                              sample_offset=sum(traj.loss_mask))
 
                 def first():
                     s.handle = eng.submit(req)
@@ -348,16 +383,18 @@ class RolloutRunner:
         self._finished_turns.append(s.turns_done + 1)
         self._group_done[s.group] = self._group_done.get(s.group, 0) + 1
         if s.handle is not None:
-            h = s.handle
+            self._release(driver, s.handle)
 
-            def end():
-                out = self.engine.get(h)
-                if out.status.value == "paused":
-                    self.engine.release(h)
-                elif out.status.value in ("waiting", "prefilling", "running"):
-                    self.engine.abort(h)
-                self.engine.forget(h)
-            driver.command(end)
+    def _release(self, driver: _Driver, h: int):
+        """Ends the engine's sequence `h` (its KV freed, full blocks kept in the prefix cache)."""
+        def end():
+            out = self.engine.get(h)
+            if out.status.value == "paused":
+                self.engine.release(h)
+            elif out.status.value in ("waiting", "prefilling", "running"):
+                self.engine.abort(h)
+            self.engine.forget(h)
+        driver.command(end)
 
     # ------------------------------------------------------------------ many tasks
 
@@ -397,11 +434,13 @@ class RolloutRunner:
         self._samples[(task.task_id, group)] = max(sample + 1, self._samples.get((task.task_id, group), 0))
         st = _TaskState(task, group, self._latency_of(task), sample=sample)
         self._states[id(st)] = st
+        env = self._make_env(task)
         try:
-            return await self._run_task(self._driver, st, self._make_env(task), self._admission,
-                                        self._env_slots)
+            return await self._run_task(self._driver, st, env, self._admission, self._env_slots)
         finally:
             del self._states[id(st)]
+            if hasattr(env, "close"):  # e.g. an environment subprocess
+                env.close()
 
     def command(self, fn: Callable[[], object]) -> asyncio.Future:
         """Runs `fn` between engine steps (e.g. a weight update); the future gets its result."""

@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tiderl_jax.agents import tasks
-from tiderl_jax.agents.env import Environment, Observation, StepResult, Task
+from tiderl_jax.agents.env import EnvRewound, Environment, Observation, StepResult, Task  # noqa: F401 (EnvRewound re-exported)
 from tiderl_jax.faults.errors import (
     SnapshotError,
     TaskDropped,
@@ -315,15 +315,6 @@ class EnvWorker:
 
 
 # ----------------------------------------------------------------------------------- CheckpointingEnv
-
-
-class EnvRewound(Exception):
-    """The environment crashed and was brought back to `turn` (completed steps): the caller cuts its
-    trajectory to just after that turn's `observation` and continues from there."""
-
-    def __init__(self, turn: int, observation: str | Observation | None, attempt: int, cause: Exception):
-        super().__init__(f"environment recovered at turn {turn} (attempt {attempt}) after {cause}")
-        self.turn, self.observation, self.attempt, self.cause = turn, observation, attempt, cause
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,6 +84,14 @@ class ControllerConfig:
     ers_scaling: float = 1.0
     ers_economics: bool = True  # False: a persistent deficit moves a group whatever it costs
     checkpoint_every: int = 0  # steps; 0: only at the end and on interrupt
+    # Belayer (faults/env_worker.py): each environment in a subprocess, checkpointed at turn
+    # boundaries by the cost rule; a crash restores and rewinds (or redoes from turn 0) within
+    # `env_max_retries`, then the sample is dropped with its reason
+    env_workers: bool = False
+    env_checkpoint: str = "belayer"  # "belayer" | "always" | "never"
+    env_p_fail: float = 0.05  # probability an environment fails before the next turn boundary
+    env_max_retries: int = 3
+    env_step_timeout_s: float = 20.0  # below the rollout's env_timeout_s, which would cancel the recovery
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -105,6 +113,16 @@ class ControllerConfig:
     @property
     def batch_samples(self) -> int:
         return self.groups_per_step * self.group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskEnvFactory:
+    """The built-in task environments, seeded by task id (picklable: environment subprocesses build
+    their environment with it)."""
+    latency: LatencyModel = LatencyModel()
+
+    def __call__(self, task: Task):
+        return task_lib.make_env(task, latency=self.latency, seed=zlib.crc32(task.task_id.encode()))
 
 
 @dataclasses.dataclass
@@ -131,8 +149,14 @@ class Controller:
                  backend: Backend | None = None, checkpoints: bool = True):
         self.cfg = config
         self.latency = latency
-        self._make_env = make_env or (lambda t: task_lib.make_env(t, latency=latency,
-                                                                   seed=zlib.crc32(t.task_id.encode())))
+        self._make_env = make_env or TaskEnvFactory(latency)
+        if config.env_workers:
+            from tiderl_jax.faults.env_worker import CheckpointConfig, CheckpointingEnv
+            checkpoint = CheckpointConfig(mode=config.env_checkpoint, p_fail=config.env_p_fail,
+                                          max_retries=config.env_max_retries,
+                                          step_timeout_s=config.env_step_timeout_s)
+            inner = self._make_env
+            self._make_env = lambda t: CheckpointingEnv(inner, checkpoint)
         if backend is None:
             if model is None or tokenizer is None or None in (engine_config, rollout_config, trainer_config):
                 raise ConfigError("Controller needs a backend, or a model, a tokenizer and the engine, "
