@@ -193,6 +193,7 @@ class Controller:
         # every admitted sample ends once: completed (then trained, or still ready at the end) or
         # dropped with its reason (`dropped:<reason>`); `dropped:stale` ones were completed first
         self.ledger: collections.Counter = collections.Counter()
+        self.consumed: list[list[int]] = []  # [group, sample] of every trained sample, in order
         self.ready: collections.deque[_Group] = collections.deque()
         self.in_flight: dict[int, _Group] = {}
         self.resume_groups: list[_Group] = []  # in-flight groups of a checkpoint, to complete
@@ -456,7 +457,7 @@ class Controller:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, wait: bool = False) -> None:
-        meta = dict(step=self.step, version=self.version, cursor=self.cursor,
+        meta = dict(step=self.step, version=self.version, cursor=self.cursor, consumed=self.consumed,
                     ready=[dict(gid=g.gid, task=dataclasses.asdict(g.task),
                                 trajectories=[t.to_dict() for t in g.trajectories]) for g in self.ready],
                     in_flight=[dict(gid=g.gid, task=dataclasses.asdict(g.task), dropped=list(g.dropped),
@@ -488,6 +489,7 @@ class Controller:
                                      dropped=list(g.get("dropped", [])))
                               for g in meta["in_flight"]]
         self.ledger = collections.Counter(meta.get("ledger", {}))
+        self.consumed = [list(x) for x in meta.get("consumed", [])]
         log.info("resumed at step %d (version %d): %d ready groups, %d in-flight groups to complete",
                  self.step, self.version, len(self.ready), len(self.resume_groups))
         return True
@@ -521,6 +523,7 @@ class Controller:
                     for v, n in t.model_version_counts().items():
                         lags[self.version - 1 - v] += n
                 self.metrics.consume(int(out.get("tokens", 0)), len(trajs), dict(lags), out.get("reward", 0.0))
+                self.consumed += [[t.group, t.info.get("sample")] for t in trajs]
                 self.metrics.log_step(self.step, dict(
                     out, version=self.version, ready_groups=len(self.ready), trainer_wait_s=waited,
                     ras=ras, hol_s=hol, running=self.running, discarded=self.discarded,
