@@ -169,3 +169,35 @@ def test_environment_crashes_are_recovered_and_every_sample_is_accounted_for(tmp
     assert ledger["admitted"] == ledger["completed"] + dropped + c.running
     assert c.backend.runner.metrics["rewinds"] >= 1  # crashes mid-episode came back by restore
     assert all(np.isfinite(t.reward) for g in c.ready for t in g.trajectories)
+
+
+@pytest.mark.slow  # TODO(issue 7): 8 minutes on this machine; profile the worker path before it joins the suite
+def test_engine_worker_killed_mid_run_fails_over_and_the_run_completes(tmp_path):
+    # the rollout engine in a worker process with a warm standby; SIGKILL the primary once
+    # generations are in flight: the standby takes over from the token checkpoints
+    import os
+    import signal
+    c = _controller(tmp_path, "async", engine_workers=True, engine_worker_warmup=False)  # compiles lazily
+    client = c.engine.client
+    killed = []
+
+    async def killer():
+        while not killed:
+            await asyncio.sleep(0.05)
+            if c.engine.has_work() and client.standby is not None and client.standby.ready.is_set():
+                killed.append(client.primary.pid)
+                os.kill(client.primary.pid, signal.SIGKILL)
+
+    async def main():
+        k = asyncio.create_task(killer())
+        try:
+            return await c.run()
+        finally:
+            k.cancel()
+    summary = asyncio.run(main())
+    ledger = summary["ledger"]
+    assert summary["steps"] == 3 and killed and len(client.failovers) >= 1
+    dropped = sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
+    assert dropped == 0 and ledger["admitted"] == ledger["completed"] + c.running
+    with pytest.raises(ConfigError, match="engine_workers"):
+        ControllerConfig(mode="tiderl", engine_workers=True)

@@ -145,7 +145,10 @@ class _Driver:
                     if fut is not None:
                         self.on_turn_end(h)
                     if fut is not None and not fut.done():
-                        fut.set_result(self.engine.get(h))
+                        try:
+                            fut.set_result(self.engine.get(h))
+                        except Exception as e:  # noqa: BLE001 - e.g. an engine worker refused it: that task fails
+                            fut.set_exception(e)
             else:
                 self._wake.clear()
                 try:

@@ -402,6 +402,10 @@ class EngineClient:
                 self.primary.send(("submit", rid, self._records[rid].prompt, sampling, 0))
         return rid
 
+    def done(self, rid: int) -> bool:
+        """Whether generation `rid` has finished (or failed): `wait` then returns at once."""
+        return self._done[rid].is_set()
+
     def wait(self, rid: int, timeout_s: float | None = None) -> GenerationResult:
         """Blocks until generation `rid` finished; returns it (once) and forgets it."""
         done = self._done.get(rid)

@@ -42,7 +42,8 @@ class JaxBackend:
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, *, mode: str, pool: DevicePool | None,
                  engine_config: EngineConfig, rollout_config: RolloutConfig, trainer_config: TrainerConfig,
-                 rules: Rules = DEFAULT_RULES, devices: Sequence | None = None, tensor: int = 1):
+                 rules: Rules = DEFAULT_RULES, devices: Sequence | None = None, tensor: int = 1,
+                 engine_workers: dict | bool = False):
         self.rules = rules
         self.pool = pool
         self.devices = list(devices or jax.devices())
@@ -60,7 +61,12 @@ class JaxBackend:
             self.trainer.ref_params = place_copy(self.trainer.params, _shardings(self.trainer.params))
         self.ref_scorer = (Scorer(model_on(graphdef, params, ref_mesh, rules), trainer_config,
                                   mesh=ref_mesh, rules=rules) if ref_mesh is not None else None)
-        self.engine = Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)
+        if engine_workers:  # Belayer: the engine in a worker process with a warm standby (faults/)
+            self.engine = _worker_engine(model, engine_config, **(engine_workers if isinstance(engine_workers, dict)
+                                                                  else {}))
+        else:
+            self.engine = Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)
+        self.engine_workers = bool(engine_workers)
         self.runner = RolloutRunner(self.engine, tokenizer, dataclasses.replace(
             rollout_config, mode="ctb" if mode == "tiderl" else "request"))
         self.sync = WeightSync()
@@ -82,6 +88,8 @@ class JaxBackend:
 
     async def stop(self) -> None:
         await self.runner.stop()
+        if self.engine_workers:
+            self.engine.client.close()
 
     async def generate(self, task, group, sample, expected_group_size) -> Trajectory:
         return await self.runner.submit(task, group, expected_group_size=expected_group_size, sample=sample)
@@ -102,6 +110,10 @@ class JaxBackend:
         return dict(out, compile_s=self.trainer.compile_s - compiled)
 
     async def publish(self, version: int) -> bool:
+        if self.engine_workers:  # a host copy to the parameter service, the worker and its standby
+            await asyncio.to_thread(self.engine.update_params, self.trainer.params, version)
+            return True
+
         def swap():
             return self.sync.publish(self.trainer.params, version,
                                      target_shardings=self.engine.runner.param_shardings,
@@ -140,8 +152,25 @@ class JaxBackend:
         self.trainer.ref_params = place_copy(params, _shardings(self.trainer.ref_params))
         if self.ref_scorer is not None:
             self.ref_scorer.params = place_copy(params, _shardings(self.ref_scorer.params))
-        self.engine.update_params(place_copy(params, _shardings(self.engine.runner.params)), version)
+        if self.engine_workers:
+            self.engine.update_params(params, version)
+        else:
+            self.engine.update_params(place_copy(params, _shardings(self.engine.runner.params)), version)
 
 
 def _shardings(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _worker_engine(model: Decoder, engine_config: EngineConfig, warmup: bool = True):
+    """An `Engine` look-alike over an engine worker process with a warm standby (both compiled before
+    the run starts; the persistent compile cache is shared with them when one is set)."""
+    import os
+
+    from tiderl_jax.faults.engine_worker import EngineClient, ParamService, WorkerSpec
+    from tiderl_jax.faults.worker_engine import WorkerEngine
+    env = {k: os.environ[k] for k in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                                      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES") if k in os.environ}
+    client = EngineClient(WorkerSpec(model.cfg, engine_config, warmup=warmup, env=env),
+                          ParamService(nnx.split(model)[1], 0))
+    return WorkerEngine(client, model.cfg, engine_config)

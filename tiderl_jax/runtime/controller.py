@@ -88,6 +88,10 @@ class ControllerConfig:
     # boundaries by the cost rule; a crash restores and rewinds (or redoes from turn 0) within
     # `env_max_retries`, then the sample is dropped with its reason
     env_workers: bool = False
+    # Belayer (faults/engine_worker.py): the rollout engine in a worker process with a warm standby,
+    # health checks and token checkpoints (request-level rollout: sync / async modes)
+    engine_workers: bool = False
+    engine_worker_warmup: bool = True  # workers compile every program before serving (tests skip it)
     env_checkpoint: str = "belayer"  # "belayer" | "always" | "never"
     env_p_fail: float = 0.05  # probability an environment fails before the next turn boundary
     env_max_retries: int = 3
@@ -102,6 +106,9 @@ class ControllerConfig:
         if self.max_concurrent < self.group_size:
             raise ConfigError(f"controller.max_concurrent={self.max_concurrent} must hold one group "
                               f"(group_size={self.group_size})")
+        if self.engine_workers and self.mode == "tiderl":
+            raise ConfigError("controller.engine_workers serve request-level rollouts (modes sync, async); "
+                              "tiderl's CTB keeps KV across tool calls in its own engine")
         if not self.task_kinds or any(k not in task_lib.GENERATORS for k in self.task_kinds):
             raise ConfigError(f"controller.task_kinds={self.task_kinds} must be non-empty, from "
                               f"{sorted(task_lib.GENERATORS)}")
@@ -172,7 +179,8 @@ class Controller:
             backend = JaxBackend(model, tokenizer, mode=config.mode, pool=pool, engine_config=engine_config,
                                  rollout_config=rollout_config, trainer_config=trainer_config,
                                  rules=rules or DEFAULT_RULES,
-                                 devices=devices, tensor=config.tensor)
+                                 devices=devices, tensor=config.tensor,
+                                 engine_workers=config.engine_workers and dict(warmup=config.engine_worker_warmup))
         self.backend = backend
         self.clock = backend.clock
         self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=backend.lanes(), clock=self.clock,
