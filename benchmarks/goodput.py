@@ -8,7 +8,8 @@ Workload (every parameter is a flag; defaults in brackets):
   demonstrations (`--sft-steps` [500] of `--sft-batch` [32]) and every mode starts from those
   weights (cached in `--warm-cache` [.cache/goodput_warm], keyed by model, tasks and steps);
 - tasks: `calculator` and `lookup` (`--tasks`), up to `--max-turns` [8] turns of up to
-  `--new-tokens` [32] tokens, contexts up to 1024 tokens (the truncation policy of the rollout loop
+  `--new-tokens` [96] tokens (a tool call is 60-67 tokens of the byte-level tokenizer: a
+  32-token turn, this benchmark's first setting, could never call a tool, so no task was solvable), contexts up to 1024 tokens (the truncation policy of the rollout loop
   ends a task that would pass it), environment latency log-normal with median `--latency-median` [0.3 s]
   and `--latency-sigma` [1.0] (heavy tail, capped at 5 s): real waiting time;
 - per update `--groups` [4] GRPO groups of `--group-size` [4] samples; `--steps` [8] updates per mode,
@@ -153,7 +154,7 @@ def main():
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-concurrent", type=int, default=48)
     p.add_argument("--max-turns", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--latency-median", type=float, default=0.3)
     p.add_argument("--latency-sigma", type=float, default=1.0)
     p.add_argument("--sft-steps", type=int, default=500)

@@ -22,7 +22,13 @@ Scenarios (MECHANISMS.md §5; `tiderl_jax/faults/`), each a JSON row with `scena
   (restart, reset, redo every turn from turn 0). `tasks_lost` counts episodes that did not end with
   the unfaulted run's observations and reward.
 
-The overhead-without-faults scenario of issue 7 needs the controller and is not measured here.
+- `overhead`: the controller (async mode, the tiny model, built-in calculator tasks, environment
+  latency log-normal median 0.3 s) with fault tolerance off vs on (environments in checkpointed
+  subprocesses and the engine in a worker process with a warm standby), no faults; pairs of runs
+  interleaved (off, on, off, on, ...). `recovery_s` is the median seconds per update with fault
+  tolerance on, `baseline_s` without; `speedup` = baseline / recovery (target >= 0.97: within 3%);
+  extra keys `goodput_off` / `goodput_on` (tokens/s); `tasks_lost` counts samples the ledger does
+  not account for.
 """
 
 import argparse
@@ -185,19 +191,66 @@ def _run(make, config, task, turns, kill_at):
         env.close()
 
 
+def _controller_run(ft: bool, steps: int, skip: int, logdir: str) -> tuple[float, float, int]:
+    """(seconds per update, goodput tokens/s over updates skip+1..steps, samples unaccounted for)."""
+    import statistics  # noqa: F401
+
+    from tiderl_jax.agents.rollout import RolloutConfig
+    from tiderl_jax.model.tokenizer import Tokenizer
+    from tiderl_jax.rl.trainer import TrainerConfig
+    from tiderl_jax.runtime.controller import Controller, ControllerConfig
+    cfg = ControllerConfig(mode="async", steps=steps, groups_per_step=4, group_size=4, max_concurrent=32,
+                           task_kinds=("calculator",), device_group_size=2, rollout_groups=2, ref_groups=0,
+                           train_groups=2, env_workers=ft, engine_workers=ft)
+    c = Controller(init_decoder(SMALL, seed=0), Tokenizer.builtin(), config=cfg, engine_config=ENGINE,
+                   rollout_config=RolloutConfig(max_turns=4, max_new_tokens=24, max_context=512),
+                   trainer_config=TrainerConfig(learning_rate=1e-4, warmup_steps=0, total_steps=steps + 1,
+                                                row_len=512, micro_rows=4),
+                   latency=LatencyModel(0.3, 1.0, 5.0), logdir=logdir, checkpoints=False)
+    summary = asyncio.run(c.run())
+    c.metrics.close()
+    rows = [json.loads(x) for x in open(os.path.join(logdir, "metrics.jsonl"))]
+    a, b = rows[skip - 1], rows[-1]
+    span = b["wall_s"] - a["wall_s"]
+    ledger = summary["ledger"]
+    ended = ledger.get("completed", 0) + sum(v for k, v in ledger.items()
+                                             if k.startswith("dropped:") and k != "dropped:stale")
+    return span / (steps - skip), (b["consumed_tokens"] - a["consumed_tokens"]) / span, \
+        ledger["admitted"] - ended - c.running
+
+
+def overhead_scenario(quick: bool) -> dict:
+    import statistics
+    import tempfile
+    steps, skip, pairs = (4, 1, 1) if quick else (8, 2, 2)
+    off, on, lost = [], [], 0
+    for i in range(pairs):
+        for ft, out in ((False, off), (True, on)):
+            step_s, goodput, unaccounted = _controller_run(ft, steps, skip, tempfile.mkdtemp(prefix="ovh_"))
+            out.append((step_s, goodput))
+            lost += unaccounted
+            print(f"[overhead] pair {i} fault tolerance {'on' if ft else 'off'}: {step_s:.2f} s/update, "
+                  f"{goodput:.1f} tok/s", flush=True)
+    rec, base = statistics.median(x[0] for x in on), statistics.median(x[0] for x in off)
+    return dict(scenario="overhead", recovery_s=rec, baseline_s=base, speedup=base / rec, tasks_lost=lost,
+                goodput_on=statistics.median(x[1] for x in on), goodput_off=statistics.median(x[1] for x in off))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
     p.add_argument("--compile-cache", action="store_true",
                    help="let workers use the persistent compile cache (a warm cold start)")
-    p.add_argument("--only", choices=("engine", "environment"))
+    p.add_argument("--only", choices=("engine", "environment", "overhead"))
     args = p.parse_args()
     rows = []
     if args.only in (None, "environment"):
         rows.append(environment_scenario(args.quick))
     if args.only in (None, "engine"):
         rows.append(engine_scenario(args.quick, args.compile_cache))
+    if args.only in (None, "overhead"):
+        rows.append(overhead_scenario(args.quick))
     print(f"\n{'scenario':<13}{'recovery_s':>12}{'baseline_s':>12}{'speedup':>9}{'tasks_lost':>12}")
     for r in rows:
         print(f"{r['scenario']:<13}{r['recovery_s']:>12.3f}{r['baseline_s']:>12.3f}{r['speedup']:>8.1f}x"

@@ -34,7 +34,7 @@ def get_config():
     c.engine = ConfigDict({"page_size": 16, "num_pages": 2048, "max_seq_len": 1024, "max_running": 64,
                            "prefill_chunk": 512, "prefill_budget": 2048, "max_prefill_rows": 16,
                            "decode_steps": 8})
-    c.rollout = ConfigDict({"max_turns": 4, "max_new_tokens": 48, "max_context": 1024, "temperature": 1.0})
+    c.rollout = ConfigDict({"max_turns": 4, "max_new_tokens": 96, "max_context": 1024, "temperature": 1.0})
     c.trainer = ConfigDict({"learning_rate": 3e-4, "warmup_steps": 2, "row_len": 1024, "micro_rows": 8,
                             "grad_clip": 1.0, "weight_decay": 0.0})
     c.loss = ConfigDict({"advantage_estimator": "grpo", "kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28})
