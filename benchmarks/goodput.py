@@ -9,8 +9,9 @@ Workload (every parameter is a flag; defaults in brackets):
   weights (cached in `--warm-cache` [.cache/goodput_warm], keyed by model, tasks and steps);
 - tasks: `calculator` and `lookup` (`--tasks`), up to `--max-turns` [8] turns of up to
   `--new-tokens` [96] tokens (a tool call is 60-67 tokens of the byte-level tokenizer: a
-  32-token turn, this benchmark's first setting, could never call a tool, so no task was solvable), contexts up to 1024 tokens (the truncation policy of the rollout loop
-  ends a task that would pass it), environment latency log-normal with median `--latency-median` [0.3 s]
+  32-token turn, this benchmark's first setting, could never call a tool, so no task was
+  solvable), contexts up to 1024 tokens (the truncation policy of the rollout loop ends a task
+  that would pass it), environment latency log-normal with median `--latency-median` [0.3 s]
   and `--latency-sigma` [1.0] (heavy tail, capped at 5 s): real waiting time;
 - per update `--groups` [4] GRPO groups of `--group-size` [4] samples; `--steps` [8] updates per mode,
   of which the first `--skip` [2] are excluded from the rates (they include compilation);
