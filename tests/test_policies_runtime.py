@@ -77,6 +77,12 @@ def test_capacity_rejects_bad_input_by_name(kwargs, field):
         capacity(**args)
 
 
+def test_consumption_order_is_oldest_version_first_then_arrival():
+    from tiderl_jax.policies.staleness import consumption_order
+    assert consumption_order([3, 2, 3, 1, 2]) == [3, 1, 4, 0, 2]
+    assert consumption_order([]) == []
+
+
 # ---------------------------------------------------------------- RA2P
 
 

@@ -100,6 +100,13 @@ def is_fresh(versions: int | Sequence[int], current_version: int, eta: int) -> b
     return version_lag(versions, current_version) <= eta
 
 
+def consumption_order(oldest_versions: Sequence[int]) -> list[int]:
+    """The order in which to consume ready items (ours): oldest policy version first, arrival order
+    among equals. A FIFO buffer lets a long-tail group that arrived late wait behind fresher ones
+    until it is past the bound and dropped; oldest-first consumes it while it is still fresh."""
+    return sorted(range(len(oldest_versions)), key=lambda i: oldest_versions[i])
+
+
 def _check_nonnegative(**values: int) -> None:
     for name, value in values.items():
         if value < 0:

@@ -333,6 +333,9 @@ class Controller:
         ras = min(len(self.ready), self.cfg.groups_per_step)
         hol = t0 - self.ready[0].arrived if self.ready else 0.0
         arrivals, batch = [], []
+        if len(self.ready) > 1:  # the groups closest to the staleness bound go first
+            versions = [min((t.oldest_version() for t in g.trajectories), default=-1) for g in self.ready]
+            self.ready = collections.deque(self.ready[i] for i in staleness.consumption_order(versions))
         with self.metrics.data_wait():
             while len(batch) < self.cfg.groups_per_step:
                 while not self.ready:
