@@ -171,13 +171,15 @@ def test_environment_crashes_are_recovered_and_every_sample_is_accounted_for(tmp
     assert all(np.isfinite(t.reward) for g in c.ready for t in g.trajectories)
 
 
-@pytest.mark.slow  # TODO(issue 7): 8 minutes on this machine; profile the worker path before it joins the suite
 def test_engine_worker_killed_mid_run_fails_over_and_the_run_completes(tmp_path):
     # the rollout engine in a worker process with a warm standby; SIGKILL the primary once
     # generations are in flight: the standby takes over from the token checkpoints
     import os
     import signal
-    c = _controller(tmp_path, "async", engine_workers=True, engine_worker_warmup=False)  # compiles lazily
+    # programs compile lazily (no warmup: seconds, not minutes), so health checks must outlast a
+    # compile; the SIGKILL is seen at once from the process exit
+    c = _controller(tmp_path, "async", engine_workers=True, engine_worker_warmup=False,
+                    engine_worker_health_checks=100)
     client = c.engine.client
     killed = []
 

@@ -162,7 +162,7 @@ def _shardings(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
-def _worker_engine(model: Decoder, engine_config: EngineConfig, warmup: bool = True):
+def _worker_engine(model: Decoder, engine_config: EngineConfig, warmup: bool = True, health_threshold: int = 3):
     """An `Engine` look-alike over an engine worker process with a warm standby (both compiled before
     the run starts; the persistent compile cache is shared with them when one is set)."""
     import os
@@ -172,5 +172,5 @@ def _worker_engine(model: Decoder, engine_config: EngineConfig, warmup: bool = T
     env = {k: os.environ[k] for k in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES") if k in os.environ}
     client = EngineClient(WorkerSpec(model.cfg, engine_config, warmup=warmup, env=env),
-                          ParamService(nnx.split(model)[1], 0))
+                          ParamService(nnx.split(model)[1], 0), health_threshold=health_threshold)
     return WorkerEngine(client, model.cfg, engine_config)

@@ -92,6 +92,9 @@ class ControllerConfig:
     # health checks and token checkpoints (request-level rollout: sync / async modes)
     engine_workers: bool = False
     engine_worker_warmup: bool = True  # workers compile every program before serving (tests skip it)
+    # consecutive unanswered health checks (0.2 s apart) that fail a worker; a worker answers between
+    # engine steps, so this must cover the longest step (compiles included when warmup is off)
+    engine_worker_health_checks: int = 3
     env_checkpoint: str = "belayer"  # "belayer" | "always" | "never"
     env_p_fail: float = 0.05  # probability an environment fails before the next turn boundary
     env_max_retries: int = 3
@@ -180,7 +183,9 @@ class Controller:
                                  rollout_config=rollout_config, trainer_config=trainer_config,
                                  rules=rules or DEFAULT_RULES,
                                  devices=devices, tensor=config.tensor,
-                                 engine_workers=config.engine_workers and dict(warmup=config.engine_worker_warmup))
+                                 engine_workers=config.engine_workers and dict(
+                                     warmup=config.engine_worker_warmup,
+                                     health_threshold=config.engine_worker_health_checks))
         self.backend = backend
         self.clock = backend.clock
         self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=backend.lanes(), clock=self.clock,
