@@ -24,7 +24,7 @@ def get_config():
     c.logdir = "runs/tiny_agentic"
     c.tasks = ("calculator",)
     c.latency = ConfigDict({"median_s": 0.3, "sigma": 1.0, "max_s": 5.0})
-    c.sft = ConfigDict({"steps": 200, "batch_size": 16, "learning_rate": 3e-3, "row_len": 576,
+    c.sft = ConfigDict({"steps": 400, "batch_size": 32, "learning_rate": 3e-3, "row_len": 576,
                         "log_every": 25})
     c.eval = ConfigDict({"tasks": 16})
     c.controller = ConfigDict({
