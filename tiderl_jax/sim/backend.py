@@ -2,16 +2,27 @@
 
 The real controller (`runtime/controller.py`: staleness capacity, ready buffer, RA2P, ERS) drives
 this backend exactly as it drives `JaxBackend`; only the devices are simulated. Every piece of work
-takes the seconds `sim/costs.py` gives it, slept on the virtual-time loop (`sim/clock.py`), so a
+takes the seconds `sim/costs.py` gives it on the virtual-time loop (`sim/clock.py`), so a
 1024-accelerator run costs only the Python of its events.
+
+**The event core.** Train, reference scoring, weight sync and moves are `asyncio.sleep`s of their
+cost. The rollout side (every replica's events and every environment return) runs on one heap of
+timed events inside the backend, in plain Python: one loop timer fires the earliest, and the driver
+(`_drive`) keeps popping events and advancing the virtual clock itself as long as nothing else on the
+loop could happen first (`VirtualTimeLoop.quiet_until`: no ready callback, no earlier timer). The
+only asyncio object per sample is the future `generate` awaits (the whole multi-turn trajectory
+runs in the heap); when a sample ends its future wakes the controller and the driver yields back to
+the loop at that virtual instant. Same-instant order: heap events in the order they were pushed; an
+idle replica that gets work starts once the driver reaches that instant (all enqueues of the
+instant made before then join its first event).
 
 What is modelled (all parameters in `SimConfig`, each a documented default):
 
 - **Device pool**: a `runtime.devices.DevicePool` over integer device ids (None in sync mode: every
   device generates and trains, the staleness bound 0 makes them take turns). Moves use
   `DevicePool.moved`, as the real backend does.
-- **Rollout**: `tp`-device replicas on the rollout devices, each a continuous-batching server (one
-  coroutine). Per event: prefill of the sequences admitted (new, resumed) since the last event, then
+- **Rollout**: `tp`-device replicas on the rollout devices, each a continuous-batching server (its
+  events on the heap). Per event: prefill of the sequences admitted (new, resumed) since the last event, then
   K decode steps of every running sequence, K = min(`decode_chunk`, most tokens any of them still
   has to write this turn) (the engine's multi-step decode: a sequence that ends early rides along
   to the end of the chunk but its turn ends at its own step):
@@ -134,7 +145,7 @@ class _Seq:
     """One task (a GRPO sample) on the rollout side."""
     __slots__ = ("gid", "sample", "shape", "turn", "left", "ctx", "written", "versions", "replica", "future",
                  "pinned", "kv_pages", "footprint", "tokens_added", "wait_started", "new_tokens", "cached",
-                 "finish_at", "admitted")
+                 "finish_at", "admitted", "start", "end", "ctx0", "run")
 
     def __init__(self, gid: int, sample: int, shape: workloads.TaskSample, future: asyncio.Future):
         self.gid, self.sample, self.shape, self.future = gid, sample, shape, future
@@ -153,17 +164,35 @@ class _Seq:
         self.cached = 0
         self.finish_at = 0.0
         self.admitted = False  # CTB task admission done
+        # while running (lazy: `left`, `ctx`, `written`, `versions` are brought up to date when the
+        # turn ends or the replica goes away): the replica's decode-step count when it started this
+        # turn, that count when the turn ends, its context then, and its admission number (-1: not running)
+        self.start = self.end = self.ctx0 = 0
+        self.run = -1
 
 
 class _Replica:
-    """A continuous-batching server on `tp` devices (state; `SimBackend._serve` runs it)."""
+    """A continuous-batching server on `tp` devices (state; `SimBackend._start_event` / `_event_end`
+    run it on the backend's event heap).
+
+    Running sequences are kept lazily, so an event costs O(log B) plus the turns it ends, not O(B):
+    every running sequence advances by the event's K tokens, so the replica counts decode `steps` and
+    a sequence's turn ends at step `start + left`; `ends` (min-heap) yields the turns an event ends,
+    `maxends` (max-heap, stale entries skipped) the longest remaining turn for K, and the context sum
+    is `ctx_base + len(running) * steps`. `vlog` lists (step, version) where the weights changed, so
+    a turn's tokens per version are counted when it ends."""
 
     def __init__(self, rid: int, devices: tuple, capacity: int):
         self.rid, self.devices, self.capacity = rid, devices, capacity  # capacity in pages
         self.version = 0
         self.pending: collections.deque[_Seq] = collections.deque()  # CTB: new tasks awaiting task admission
         self.queue: collections.deque[_Seq] = collections.deque()  # the engine's queue: turns to start, FIFO
-        self.running: list[_Seq] = []
+        self.running: dict[_Seq, None] = {}  # insertion order = admission order
+        self.steps = 0  # decode steps done
+        self.ends: list = []  # (step its turn ends at, admission number, seq)
+        self.maxends: list = []  # (-end, admission number, seq); entries of sequences no longer running skipped
+        self.ctx_base = 0  # sum over running of (context at admission - step at admission)
+        self.vlog: list[tuple[int, int]] = [(0, 0)]  # (decode step, version from that step on)
         self.used = 0  # pages held by running (reserved to the turn's end) and pinned sequences
         self.cache: collections.OrderedDict = collections.OrderedDict()  # seq -> (pages, tokens, version)
         self.cache_pages = 0
@@ -171,10 +200,10 @@ class _Replica:
         self.footprints = 0  # CTB: admitted tasks' footprint estimates (tokens)
         self.live = 0  # tasks placed here and not finished
         self.prompts: dict[int, list] = {}  # gid -> [version written, samples here holding it]
-        self.wake: asyncio.Future | None = None
-        self.task: asyncio.Task | None = None
         self.alive = True
         self.busy = False  # an event in flight
+        self.kicked = False  # a start is queued on the event heap
+        self.event = (0.0, 0.0, 0.0, 0)  # the event in flight: (start, prefill seconds, decode step seconds, K)
 
 
 class SimBackend:
@@ -228,6 +257,14 @@ class SimBackend:
         self._span_ctx = None
         self._started = False
         self.version = 0
+        # the discrete-event core: one heap of (virtual time, order, callback, argument) for every
+        # replica event and environment return, driven by one loop timer (`_drive`)
+        self._heap: list = []
+        self._order = 0
+        self._admissions = 0
+        self._armed: asyncio.TimerHandle | None = None
+        self._armed_at = 0.0
+        self._driving = False
 
     @classmethod
     def for_controller(cls, config: SimConfig, controller_config, num_devices: int) -> "SimBackend":
@@ -264,10 +301,10 @@ class SimBackend:
         self._rebuild()
 
     async def stop(self) -> None:
-        tasks = [r.task for r in self.replicas.values() if r.task is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._armed is not None:
+            self._armed.cancel()
+            self._armed = None
+        self._heap.clear()
         self._started = False
 
     async def generate(self, task, group, sample, expected_group_size) -> Trajectory:
@@ -361,18 +398,16 @@ class SimBackend:
         orphans: list[_Seq] = []
         for key in [k for k in self.replicas if k not in set(wanted)]:
             r = self.replicas.pop(key)
-            r.alive = False
-            if r.task is not None:
-                r.task.cancel()
-            if r.wake is not None and not r.wake.done():
-                r.wake.set_result(None)
+            r.alive = False  # its event on the heap is skipped
             self._busy_end(r, 0.0)  # its event is cut short (its progress is lost)
-            orphans.extend(r.running)
+            for s in list(r.running):
+                self._retire(r, s)  # what earlier events wrote
+                orphans.append(s)
             orphans.extend(r.queue)
             orphans.extend(r.pending)
             for s in list(r.pinned) + list(r.cache):
                 s.pinned = False
-            for s in r.running + list(r.queue) + list(r.pinned):
+            for s in orphans + list(r.queue) + list(r.pinned):
                 s.kv_pages = 0
         for key in wanted:
             if key not in self.replicas:
@@ -381,7 +416,6 @@ class SimBackend:
                 self._rid += 1
                 self.replicas[key] = r
                 heapq.heappush(self._load, (0, r.rid, r))
-                r.task = self.loop.create_task(self._serve(r), name=f"sim-replica-{r.rid}")
         for s in orphans:  # tasks in flight continue on other replicas (sticky tasks now waiting: on return)
             self.counters["moved_tasks"] += 1
             s.replica = None
@@ -412,8 +446,9 @@ class SimBackend:
 
     def _enqueue(self, r: _Replica, seq: _Seq) -> None:
         (r.pending if self.kv_mode == "ctb" and not seq.admitted else r.queue).append(seq)
-        if r.wake is not None and not r.wake.done():
-            r.wake.set_result(None)
+        if not r.busy and not r.kicked:  # an idle replica starts at this instant, once the loop is quiet
+            r.kicked = True
+            self._push(self.loop.time(), self._kick, r)
 
     def _env_return(self, seq: _Seq) -> None:
         r = seq.replica
@@ -533,7 +568,14 @@ class SimBackend:
             self.counters["prefill_tokens"] += s.new_tokens
             r.used += need
             s.kv_pages += need
-            r.running.append(s)
+            steps = r.steps
+            s.start, s.end, s.ctx0 = steps, steps + s.left, s.ctx
+            s.run = n = self._admissions
+            self._admissions = n + 1
+            r.ctx_base += s.ctx - steps
+            heapq.heappush(r.ends, (s.end, n, s))
+            heapq.heappush(r.maxends, (-s.end, n, s))
+            r.running[s] = None
             admitted.append(s)
         return admitted
 
@@ -558,44 +600,108 @@ class SimBackend:
         bytes_moved = self.shape.param_bytes + self._kv_bytes * (c + n)
         return costs.roofline(flops, bytes_moved, self.hw, self.eff.prefill_mfu, self.eff.mbu, self.cfg.tp)
 
-    async def _serve(self, r: _Replica) -> None:
-        loop = self.loop
-        while True:
-            new = self._admit(r)
-            if not r.running:
-                r.wake = loop.create_future()
-                await r.wake
-                r.wake = None
-                continue
-            prefill = self._prefill_time(new) if new else 0.0
-            for s in new:
-                s.new_tokens = 0
-            B = len(r.running)
-            K = min(self.cfg.decode_chunk, max(s.left for s in r.running))
-            context = sum(s.ctx for s in r.running)
-            step = self._decode_step(B, context + B * (K - 1) / 2)
-            dt = prefill + K * step
-            start = loop.time()
-            version = r.version
-            self._busy_begin(r)
-            try:
-                await asyncio.sleep(dt)
-            finally:
-                self._busy_end(r, dt)
-            self.counters["events"] += 1
-            still = []
-            for s in r.running:
-                k = min(K, s.left)
-                s.left -= k
-                s.ctx += k
-                s.written += k
-                s.versions[version] = s.versions.get(version, 0) + k
-                self.counters["decode_tokens"] += k
-                if s.left:
-                    still.append(s)
-                else:
-                    self._turn_end(r, s, start + prefill + k * step)
-            r.running = still
+    def _kick(self, r: _Replica) -> None:
+        r.kicked = False
+        if r.alive and not r.busy:
+            self._start_event(r)
+
+    def _start_event(self, r: _Replica) -> None:
+        """Admits what fits, then one event: the new sequences' prefill and K decode steps of all."""
+        new = self._admit(r)
+        if not r.running:
+            return  # idle until something is enqueued
+        prefill = self._prefill_time(new) if new else 0.0
+        for s in new:
+            s.new_tokens = 0
+        maxends = r.maxends
+        while maxends[0][1] != maxends[0][2].run:  # sequences no longer running
+            heapq.heappop(maxends)
+        B = len(r.running)
+        K = min(self.cfg.decode_chunk, -maxends[0][0] - r.steps)
+        step = self._decode_step(B, r.ctx_base + B * r.steps + B * (K - 1) / 2)
+        dt = prefill + K * step
+        now = self.loop.time()
+        if r.vlog[-1][1] != r.version:
+            r.vlog.append((r.steps, r.version))
+        r.event = (now, prefill, step, K)
+        self._busy_begin(r)
+        self._push(now + dt, self._event_end, r)
+
+    def _event_end(self, r: _Replica) -> None:
+        if not r.alive:  # moved away while the event ran: its progress is lost (`_rebuild`)
+            return
+        start, prefill, step, K = r.event
+        self._busy_end(r, prefill + K * step)
+        self.counters["events"] += 1
+        first = r.steps
+        r.steps = last = first + K
+        ends = r.ends
+        while ends and ends[0][0] <= last:
+            end, _, s = heapq.heappop(ends)
+            self._retire(r, s)
+            self._turn_end(r, s, start + prefill + (end - first) * step)
+        self._start_event(r)
+
+    def _retire(self, r: _Replica, s: _Seq) -> None:
+        """Takes `s` off the running set, bringing its counts up to the replica's decode steps."""
+        del r.running[s]
+        s.run = -1
+        r.ctx_base -= s.ctx0 - s.start
+        k = min(s.end, r.steps) - s.start
+        if k <= 0:
+            return
+        s.left -= k
+        s.ctx += k
+        s.written += k
+        self.counters["decode_tokens"] += k
+        versions, a, hi = s.versions, s.start, s.start + k
+        vlog = r.vlog
+        for i in range(len(vlog) - 1, -1, -1):
+            at, v = vlog[i]
+            if hi > at:
+                lo = at if at > a else a
+                versions[v] = versions.get(v, 0) + hi - lo
+                hi = lo
+            if at <= a:
+                break
+
+    # ---------------------------------------------------------------- the event heap
+
+    def _push(self, at: float, fn, arg) -> None:
+        self._order += 1
+        heapq.heappush(self._heap, (at, self._order, fn, arg))
+        if not self._driving:
+            self._arm(at)
+
+    def _arm(self, at: float) -> None:
+        if self._armed is not None:
+            if self._armed_at <= at:
+                return
+            self._armed.cancel()
+        self._armed, self._armed_at = self.loop.call_at(at, self._drive), at
+
+    def _drive(self) -> None:
+        """Runs heap events in time order, advancing the virtual clock itself while nothing else on
+        the loop could happen first (`VirtualTimeLoop.quiet_until`); stops when an asyncio callback
+        becomes ready (a finished sample wakes the controller) or a loop timer comes first."""
+        self._armed = None
+        heap, loop = self._heap, self.loop
+        pop = heapq.heappop
+        self._driving = True
+        try:
+            while heap:
+                at = heap[0][0]
+                now = loop._now
+                if at > now:
+                    if at > loop.quiet_until():
+                        break
+                    loop._now = at
+                _, _, fn, arg = pop(heap)
+                fn(arg)
+        finally:
+            self._driving = False
+        if heap:
+            self._arm(heap[0][0])
 
     def _turn_end(self, r: _Replica, s: _Seq, at: float) -> None:
         shape = s.shape
@@ -627,7 +733,7 @@ class SimBackend:
             r.footprints += f - s.footprint
             s.footprint = f
         s.wait_started = at
-        self.loop.call_at(max(at + latency, self.loop.time()), self._env_return, s)
+        self._push(max(at + latency, self.loop.time()), self._env_return, s)
 
     def _finish(self, r: _Replica, s: _Seq) -> None:
         r.used -= s.kv_pages

@@ -33,6 +33,8 @@ that reads time through it (or `loop.time()`) runs unchanged in both worlds.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import math
 import selectors
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -77,6 +79,21 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._now
+
+    def quiet_until(self) -> float:
+        """The virtual time up to which nothing on the loop can happen: now while callbacks are ready or
+        an executor job is pending, else the next timer's time (inf without one). A discrete-event
+        driver running inside a callback (`sim/backend.py`) may `advance` the clock up to it and
+        process its own events in plain Python, as if the loop had jumped there itself."""
+        if self._ready or self._stopping or self.pending_executor_jobs:
+            return self._now
+        scheduled = self._scheduled
+        while scheduled and scheduled[0]._cancelled:  # what _run_once does with a cancelled head
+            self._timer_cancelled_count -= 1
+            heapq.heappop(scheduled)._scheduled = False
+        if not scheduled:
+            return math.inf
+        return scheduled[0]._when
 
     def advance(self, seconds: float) -> None:
         if seconds < 0:
