@@ -94,9 +94,12 @@ from tiderl_jax.sim import costs, hardware, workloads
 
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
-    workload: str = "tiderl-text-7b"  # a workloads.PRESETS name
+    workload: str | workloads.Workload = "tiderl-text-7b"  # a workloads.PRESETS name (or a Workload)
     accelerator: str = ""  # a hardware preset; "" = the workload's
-    tp: int = 1  # devices per rollout replica (tensor parallel)
+    tp: int = 1  # devices per rollout replica (tensor parallel); 0: one replica on all rollout devices
+    # per-operation times measured on a machine instead of the roofline (0 devices scaling; see
+    # costs.MeasuredCosts); tp=0 needs them (the roofline needs a fixed replica size)
+    measured: costs.MeasuredCosts | None = None
     efficiency: costs.Efficiency = costs.Efficiency()
     page_size: int = 16  # tokens per KV page (the engine's default page)
     memory_fraction: float = 0.9  # of HBM for weights + KV (vLLM's gpu_memory_utilization default)
@@ -115,7 +118,10 @@ class SimConfig:
         workloads.workload(self.workload)
         if self.accelerator:
             hardware.accelerator(self.accelerator)
-        for name in ("tp", "page_size", "max_batch", "decode_chunk", "finished_window"):
+        if self.tp < 0 or (self.tp == 0 and self.measured is None):
+            raise ValueError(f"SimConfig.tp={self.tp} must be >= 1 (0: one replica on all rollout devices, "
+                             f"with measured costs)")
+        for name in ("page_size", "max_batch", "decode_chunk", "finished_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1")
         for name in ("kv_pages", "initial_growth", "sync_fixed_s", "switch_fixed_s", "optimizer_bytes_per_param"):
@@ -222,17 +228,26 @@ class SimBackend:
         self.eff = config.efficiency
         self.kv_mode = "ctb" if mode == "tiderl" else "request"
         self.ps = config.page_size
-        if pool is not None and pool.group_size % config.tp:
+        if config.tp and pool is not None and pool.group_size % config.tp:
             raise ValueError(f"SimConfig.tp={config.tp} must divide the device group size {pool.group_size}")
-        if pool is None and num_devices % config.tp:
+        if config.tp and pool is None and num_devices % config.tp:
             raise ValueError(f"SimConfig.tp={config.tp} must divide the {num_devices} devices")
+        if not config.kv_pages and not config.tp:
+            raise ValueError("SimConfig.tp=0 needs kv_pages (the replica size changes with moves)")
         self.capacity = config.kv_pages or costs.kv_capacity_pages(
             self.shape, self.hw, self.ps, devices=config.tp, memory_fraction=config.memory_fraction)
+        self.measured = config.measured
+        self._host_jobs = 0  # train / ref jobs in flight (measured costs: cores shared with the rollout)
+        # task shapes of a group: (workload, rng, n) -> n TaskSamples; `sample_tasks` unless replaced
+        # (benchmarks/sim_validation.py replays the tasks' demonstrations)
+        self.shape_sampler = sample_tasks
+        self._replica_devices = config.tp  # tp=0: all rollout devices (set by _rebuild)
         self._kv_bytes = costs.kv_bytes_per_token(self.shape)
         # costs.decode_step_time's terms, computed once (it is called at every replica event)
         self._param_bytes, self._matmul_params = self.shape.param_bytes, self.shape.matmul_params
         self._attn_per_pair = costs.attention_flops(self.shape, 1.0)
         self._flops_rate = self.hw.peak_bf16_flops * config.efficiency.decode_mfu * config.tp
+        self._prefill_rate = self.hw.peak_bf16_flops * config.efficiency.prefill_mfu * config.tp
         self._bytes_rate = self.hw.hbm_bandwidth * config.efficiency.mbu * config.tp
         self._groups: dict[int, list] = {}  # gid -> [task shapes of its samples, samples not yet started]
         self._rollout_devices = 0
@@ -244,6 +259,9 @@ class SimBackend:
         self._load: list[tuple[int, int, _Replica]] = []  # lazy heap (live, rid, replica)
         self.counters = dict(prompt_tokens=0, prompt_tokens_cached=0, prefill_tokens=0, decode_tokens=0,
                              events=0, ctb_evictions=0, cache_evictions=0, moved_tasks=0)
+        self._events = self._decode_tokens = 0  # counted apart (every event), merged into `counters` by stats()
+        self._chunk = config.decode_chunk
+        self._decode_flops = 2.0 * self._matmul_params
         self._finished: collections.deque[int] = collections.deque(maxlen=config.finished_window)
         self._finishes = 0
         self._remaining_turns: dict[int, float] = {}
@@ -322,7 +340,7 @@ class SimBackend:
         entry = self._groups.get(group)
         if entry is None or sample >= len(entry[0]):
             rng = np.random.default_rng([self.cfg.seed, group])
-            entry = self._groups[group] = [sample_tasks(self.workload, rng, max(group_size, sample + 1)), 0]
+            entry = self._groups[group] = [self.shape_sampler(self.workload, rng, max(group_size, sample + 1)), 0]
         entry[1] += 1
         shape = entry[0][sample]
         if entry[1] >= len(entry[0]):
@@ -335,23 +353,46 @@ class SimBackend:
     async def score_ref(self, trajectories: Sequence[Trajectory]) -> tuple[list, bool]:
         tokens, seq_len = _tokens(trajectories)
         async with self._ref_lock:
-            await asyncio.sleep(costs.score_time(self.shape, self.hw, tokens, devices=len(self._devices("ref")),
-                                                 seq_len=seq_len, eff=self.eff))
+            m = self.measured
+            if m is None:
+                seconds = costs.score_time(self.shape, self.hw, tokens, devices=len(self._devices("ref")),
+                                           seq_len=seq_len, eff=self.eff)
+            else:
+                seconds = (m.ref_fixed_s + m.ref_per_token_s * tokens) * self._train_overlap()
+            self._host_jobs += 1
+            try:
+                await asyncio.sleep(seconds)
+            finally:
+                self._host_jobs -= 1
         return [0.0] * len(trajectories), False
+
+    def _train_overlap(self) -> float:
+        """Measured costs: the slowdown of a train / ref job that starts while the rollout works."""
+        return self.measured.train_overlap_x if self._busy_replicas else 1.0
 
     async def train(self, trajectories: Sequence[Trajectory]) -> dict:
         tokens, seq_len = _tokens(trajectories)
         n = len(self._devices("train"))
-        proximal = costs.score_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
+        m = self.measured
+        if m is None:
+            proximal = costs.score_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
+            update = costs.train_step_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
+        else:
+            x = self._train_overlap()
+            proximal = (m.score_fixed_s + m.score_per_token_s * tokens) * x
+            update = (m.update_fixed_s + m.update_per_token_s * tokens) * x
         has_ref = bool(trajectories) and all(t.info.get("ref_logp") is not None for t in trajectories)
         ref = 0.0 if has_ref else proximal
-        update = costs.train_step_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
-        await asyncio.sleep(proximal + ref + update)
+        self._host_jobs += 1
+        try:
+            await asyncio.sleep(proximal + ref + update)
+        finally:
+            self._host_jobs -= 1
         return dict(tokens=float(sum(t.model_tokens for t in trajectories)), reward=0.0, loss=0.0,
                     time_proximal_s=proximal, time_ref_s=ref, time_update_s=update, compile_s=0.0)
 
     async def publish(self, version: int) -> bool:
-        await asyncio.sleep(self._sync_s)
+        await asyncio.sleep(self._sync_s if self.measured is None else self.measured.sync_s)
         self.version = version
         for r in self.replicas.values():
             r.version = version
@@ -364,6 +405,8 @@ class SimBackend:
                                           if to_role == "train" else 0.0)
         seconds = costs.switch_time(state, self.hw, devices=group, span_devices=len(self._devices(to_role)),
                                     fixed_s=self.cfg.switch_fixed_s)
+        if self.measured is not None:
+            seconds = self.measured.switch_s
         if from_role == "rollout":
             self._rebuild()  # its replicas stop now
         await asyncio.sleep(seconds)
@@ -383,6 +426,7 @@ class SimBackend:
         del params, version
 
     def stats(self) -> dict:
+        self.counters.update(events=self._events, decode_tokens=self._decode_tokens)
         return dict(self.counters, replicas=len(self.replicas), kv_pages_per_replica=self.capacity,
                     kv_hit_rate=self.kv_hit_rate())
 
@@ -393,7 +437,8 @@ class SimBackend:
         removed ones' tasks placed elsewhere without their KV."""
         devs = self._devices("rollout")
         self._rollout_devices = len(devs)
-        tp = self.cfg.tp
+        tp = self.cfg.tp or len(devs)
+        self._replica_devices = tp
         wanted = [tuple(devs[i:i + tp]) for i in range(0, len(devs) - tp + 1, tp)]
         orphans: list[_Seq] = []
         for key in [k for k in self.replicas if k not in set(wanted)]:
@@ -530,19 +575,22 @@ class SimBackend:
             s.footprint, s.admitted = f, True
             r.footprints += f
             r.queue.append(s)
-        while r.queue and len(r.running) < self.cfg.max_batch:
-            s = r.queue[0]
-            need = self._pages(s.ctx + s.left) - s.kv_pages  # to the end of the turn
+        ps = self.ps
+        queue, running, max_batch = r.queue, r.running, self.cfg.max_batch
+        prompt_tokens = cached_tokens = prefill_tokens = 0
+        while queue and len(running) < max_batch:
+            s = queue[0]
+            need = -(-(s.ctx + s.left) // ps) - s.kv_pages  # pages to the end of the turn
             entry = r.cache.get(s)
             own = entry[0] if entry is not None else 0  # its own cached pages become its KV
-            if self._free(r) + own < need:
+            if r.capacity - r.used - r.cache_pages + own < need:
                 self._evict_cache(r, need - own, keep=s)
                 if ctb_mode and self._free(r) + own < need:
                     self._evict_pinned(r, need - own)
                     self._evict_cache(r, need - own, keep=s)
                 if self._free(r) + own < need and (r.used > 0 or r.running):
                     break
-            r.queue.popleft()
+            queue.popleft()
             # what is cached of the context: pinned KV, a prefix-cache entry of this version, the group prompt
             if s.pinned:
                 cached = s.ctx - s.new_tokens  # all but the observation
@@ -562,21 +610,28 @@ class SimBackend:
                     if p is None or p[0] != r.version:
                         r.prompts[s.gid] = p = [r.version, 0]
                     p[1] += 1
-            s.new_tokens = s.ctx - cached
-            self.counters["prompt_tokens"] += s.ctx
-            self.counters["prompt_tokens_cached"] += cached
-            self.counters["prefill_tokens"] += s.new_tokens
+            ctx = s.ctx
+            s.new_tokens = ctx - cached
+            prompt_tokens += ctx
+            cached_tokens += cached
+            prefill_tokens += ctx - cached
             r.used += need
             s.kv_pages += need
             steps = r.steps
-            s.start, s.end, s.ctx0 = steps, steps + s.left, s.ctx
+            end = steps + s.left
+            s.start, s.end, s.ctx0 = steps, end, ctx
             s.run = n = self._admissions
             self._admissions = n + 1
-            r.ctx_base += s.ctx - steps
-            heapq.heappush(r.ends, (s.end, n, s))
-            heapq.heappush(r.maxends, (-s.end, n, s))
-            r.running[s] = None
+            r.ctx_base += ctx - steps
+            heapq.heappush(r.ends, (end, n, s))
+            heapq.heappush(r.maxends, (-end, n, s))
+            running[s] = None
             admitted.append(s)
+        if admitted:
+            c = self.counters
+            c["prompt_tokens"] += prompt_tokens
+            c["prompt_tokens_cached"] += cached_tokens
+            c["prefill_tokens"] += prefill_tokens
         return admitted
 
     # ---------------------------------------------------------------- serving
@@ -588,6 +643,9 @@ class SimBackend:
         return max(flops / self._flops_rate, bytes_moved / self._bytes_rate)
 
     def _prefill_time(self, seqs: list[_Seq]) -> float:
+        if self.measured is not None:
+            n = sum(s.new_tokens for s in seqs)
+            return self.measured.prefill_fixed_s + self.measured.prefill_per_token_s * n if n else 0.0
         n = c = pairs = 0.0
         for s in seqs:
             new, cached = s.new_tokens, s.ctx - s.new_tokens
@@ -596,9 +654,9 @@ class SimBackend:
             pairs += new * cached + new * (new + 1) / 2
         if n == 0:
             return 0.0
-        flops = 2.0 * self.shape.matmul_params * n + costs.attention_flops(self.shape, pairs)
-        bytes_moved = self.shape.param_bytes + self._kv_bytes * (c + n)
-        return costs.roofline(flops, bytes_moved, self.hw, self.eff.prefill_mfu, self.eff.mbu, self.cfg.tp)
+        flops = 2.0 * self._matmul_params * n + self._attn_per_pair * pairs
+        bytes_moved = self._param_bytes + self._kv_bytes * (c + n)
+        return max(flops / self._prefill_rate, bytes_moved / self._bytes_rate)
 
     def _kick(self, r: _Replica) -> None:
         r.kicked = False
@@ -607,32 +665,54 @@ class SimBackend:
 
     def _start_event(self, r: _Replica) -> None:
         """Admits what fits, then one event: the new sequences' prefill and K decode steps of all."""
-        new = self._admit(r)
-        if not r.running:
+        if r.queue or r.pending:
+            new = self._admit(r)
+            prefill = self._prefill_time(new) if new else 0.0
+            for s in new:
+                s.new_tokens = 0
+        else:
+            prefill = 0.0
+        B = len(r.running)
+        if not B:
             return  # idle until something is enqueued
-        prefill = self._prefill_time(new) if new else 0.0
-        for s in new:
-            s.new_tokens = 0
         maxends = r.maxends
         while maxends[0][1] != maxends[0][2].run:  # sequences no longer running
             heapq.heappop(maxends)
-        B = len(r.running)
-        K = min(self.cfg.decode_chunk, -maxends[0][0] - r.steps)
-        step = self._decode_step(B, r.ctx_base + B * r.steps + B * (K - 1) / 2)
-        dt = prefill + K * step
-        now = self.loop.time()
+        steps = r.steps
+        K = -maxends[0][0] - steps
+        if K > self._chunk:
+            K = self._chunk
+        # self._decode_step(B, context + B * (K - 1) / 2), inlined (the hottest line of a simulation)
+        m = self.measured
+        if m is None:
+            context = r.ctx_base + B * steps + B * (K - 1) / 2
+            flops = self._decode_flops * B + self._attn_per_pair * context
+            bytes_moved = self._param_bytes + self._kv_bytes * (context + B)
+            step = max(flops / self._flops_rate, bytes_moved / self._bytes_rate)
+        else:
+            step = m.decode_step_s + m.decode_per_seq_s * B
+            if self._host_jobs:
+                x = m.rollout_overlap_x
+                prefill, step = prefill * x, step * x
+        now = self.loop._now
         if r.vlog[-1][1] != r.version:
-            r.vlog.append((r.steps, r.version))
+            r.vlog.append((steps, r.version))
         r.event = (now, prefill, step, K)
-        self._busy_begin(r)
-        self._push(now + dt, self._event_end, r)
+        r.busy = True
+        self._busy_replicas += 1
+        if self._busy_replicas == 1:
+            self._busy_first()
+        self._order += 1
+        heapq.heappush(self._heap, (now + prefill + K * step, self._order, self._event_end, r))
+        if not self._driving:
+            self._arm(now + prefill + K * step)
 
     def _event_end(self, r: _Replica) -> None:
         if not r.alive:  # moved away while the event ran: its progress is lost (`_rebuild`)
             return
         start, prefill, step, K = r.event
         self._busy_end(r, prefill + K * step)
-        self.counters["events"] += 1
+        self._events += 1
         first = r.steps
         r.steps = last = first + K
         ends = r.ends
@@ -653,7 +733,7 @@ class SimBackend:
         s.left -= k
         s.ctx += k
         s.written += k
-        self.counters["decode_tokens"] += k
+        self._decode_tokens += k
         versions, a, hi = s.versions, s.start, s.start + k
         vlog = r.vlog
         for i in range(len(vlog) - 1, -1, -1):
@@ -687,16 +767,19 @@ class SimBackend:
         self._armed = None
         heap, loop = self._heap, self.loop
         pop = heapq.heappop
+        ready = loop._ready  # asyncio's ready queue: non-empty once a finished sample wakes a task
+        # the next loop timer: heap events never schedule loop timers, so it holds while driving
+        limit = loop.quiet_until()
+        now = loop._now
         self._driving = True
         try:
             while heap:
                 at = heap[0][0]
-                now = loop._now
                 if at > now:
-                    if at > loop.quiet_until():
+                    if at > limit or ready:
                         break
-                    loop._now = at
-                _, _, fn, arg = pop(heap)
+                    loop._now = now = at
+                fn, arg = pop(heap)[2:]
                 fn(arg)
         finally:
             self._driving = False
@@ -755,15 +838,13 @@ class SimBackend:
 
     # ---------------------------------------------------------------- busy accounting
 
-    def _busy_begin(self, r: _Replica) -> None:
-        r.busy = True
-        self._busy_replicas += 1
-        if self._busy_replicas == 1:
-            if self.metrics is not None:
-                self._busy_since = self.metrics.now()
-            elif self._step_span is not None:
-                self._span_ctx = self._step_span()
-                self._span_ctx.__enter__()
+    def _busy_first(self) -> None:
+        """The first busy replica of the pool (`_start_event` counts them): a rollout span opens."""
+        if self.metrics is not None:
+            self._busy_since = self.metrics.now()
+        elif self._step_span is not None:
+            self._span_ctx = self._step_span()
+            self._span_ctx.__enter__()
 
     def _busy_end(self, r: _Replica, seconds: float) -> None:
         if not r.busy:
@@ -773,8 +854,8 @@ class SimBackend:
         m = self.metrics
         if m is not None and not self._shared:
             n = self._rollout_devices or 1
-            m.busy_device_s["rollout"] += seconds * self.cfg.tp
-            m.busy_s["rollout"] += seconds * self.cfg.tp / n
+            m.busy_device_s["rollout"] += seconds * self._replica_devices
+            m.busy_s["rollout"] += seconds * self._replica_devices / n
         if self._busy_replicas == 0:
             if m is not None:
                 start, end = self._busy_since, m.now()

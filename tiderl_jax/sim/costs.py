@@ -98,7 +98,10 @@ QWEN2_5_14B = ModelShape("qwen2.5-14b", num_layers=48, hidden_size=5120, interme
 SHAPES = {s.name: s for s in (QWEN2_5_7B, QWEN2_5_14B)}
 
 
-def model_shape(name: str) -> ModelShape:
+def model_shape(name: str | ModelShape) -> ModelShape:
+    """The shape called `name` (a `ModelShape` is returned as it is)."""
+    if isinstance(name, ModelShape):
+        return name
     key = name.strip().lower()
     if key not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}: choose one of {sorted(SHAPES)} or build a "
@@ -286,3 +289,49 @@ def switch_time(state_bytes: float, hw: Accelerator, *, devices: int, span_devic
     (`state_bytes`: bf16 weights for rollout; weights + optimizer state for training) arriving on
     `devices` chips in parallel: `fixed_s + state_bytes / (link_bandwidth(span_devices) * devices)`."""
     return transfer_time(state_bytes, hw.link_bandwidth(span_devices), streams=_devices(devices), latency_s=fixed_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredCosts:
+    """Per-operation seconds measured on a real machine, used by `SimBackend` instead of the roofline
+    (`SimConfig.measured`; `benchmarks/sim_validation.py` measures them on this CPU). A host whose
+    fake devices share its cores does not get faster with more devices, so nothing here scales with
+    device counts: each time is the one measured on the layout being simulated. Work is linear in
+    its size (a fixed part plus a part per token or per sequence):
+
+        decode step   = decode_step_s + decode_per_seq_s * B            (B running sequences)
+        prefill       = prefill_fixed_s + prefill_per_token_s * new tokens   (per event that prefills)
+        proximal pass = score_fixed_s + score_per_token_s * tokens       (train devices; the colocated
+                        reference pass costs the same)
+        ref pass      = ref_fixed_s + ref_per_token_s * tokens           (ref devices, RA2P decoupled)
+        update        = update_fixed_s + update_per_token_s * tokens
+        weight sync   = sync_s;  device move = switch_s
+
+    Shared cores: rollout and training that overlap slow each other down. A replica event that starts
+    while a train or ref job runs takes `rollout_overlap_x` times longer; a train or ref job that
+    starts while any replica is busy takes `train_overlap_x` times longer (first order: the state at
+    the start of the work decides, not the share of its duration that overlaps).
+    """
+    decode_step_s: float
+    decode_per_seq_s: float
+    prefill_fixed_s: float
+    prefill_per_token_s: float
+    score_fixed_s: float
+    score_per_token_s: float
+    update_fixed_s: float
+    update_per_token_s: float
+    ref_fixed_s: float = 0.0
+    ref_per_token_s: float = 0.0
+    sync_s: float = 0.0
+    switch_s: float = 0.0
+    rollout_overlap_x: float = 1.0
+    train_overlap_x: float = 1.0
+    source: str = ""  # what was measured, where
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if f.name != "source":
+                _check(**{f"MeasuredCosts.{f.name}": getattr(self, f.name)})
+        if self.rollout_overlap_x < 1 or self.train_overlap_x < 1:
+            raise ValueError(f"MeasuredCosts: overlap factors ({self.rollout_overlap_x}, {self.train_overlap_x}) "
+                             f"must be >= 1 (sharing cores never speeds work up)")

@@ -78,7 +78,7 @@ PARAMETERS = ("model", "accelerator", "devices", "max_turns", "max_context", "pr
 class Workload:
     name: str
     source: str  # the paper and the setting this preset follows
-    model: str  # a costs.model_shape name
+    model: str  # a costs.model_shape name (or a costs.ModelShape)
     accelerator: str  # a hardware.accelerator name
     devices: int  # accelerators in the cluster
     max_turns: int  # model turns per task at most
@@ -214,7 +214,10 @@ BIDIRL_MATH = Workload(
 PRESETS = {w.name: w for w in (TIDERL_TEXT_7B, TIDERL_TEXT_14B, TIDERL_MULTIMODAL, BIDIRL_MATH)}
 
 
-def workload(name: str) -> Workload:
+def workload(name: "str | Workload") -> Workload:
+    """The preset called `name` (a `Workload` is returned as it is)."""
+    if isinstance(name, Workload):
+        return name
     key = name.strip().lower()
     if key not in PRESETS:
         raise ValueError(f"unknown workload {name!r}: choose one of {sorted(PRESETS)}")
