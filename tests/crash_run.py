@@ -40,7 +40,7 @@ def main(logdir: str, steps: int):
     print(json.dumps({"resumed_at": c.step if resumed else None}), flush=True)
     summary = asyncio.run(c.run())
     print(json.dumps({"done": summary["steps"], "ledger": summary["ledger"], "consumed": c.consumed,
-                      "running": c.running}), flush=True)
+                      "running": c.unfinished()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def test_each_mode_trains_and_syncs(tmp_path, mode):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the rollout serves the latest weights
     ledger = summary["ledger"]  # every admitted sample ended once, or is still running
     ended = sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
-    assert ledger["admitted"] == ledger.get("completed", 0) + ended + c.running
+    assert ledger["admitted"] == ledger.get("completed", 0) + ended + c.unfinished()
     assert summary["steps"] * c.cfg.batch_samples <= ledger["completed"] - ledger.get("dropped:stale", 0)
     lag = max(summary["staleness"])
     assert lag <= c.cfg.staleness.eta  # nothing staler than the bound was consumed
@@ -98,7 +98,7 @@ def test_failed_samples_are_dropped_with_their_reason_and_the_run_goes_on(tmp_pa
     summary = asyncio.run(c.run())
     ledger = summary["ledger"]
     assert summary["steps"] == 3 and ledger["dropped:env_error"] >= 1
-    assert ledger["admitted"] == ledger["completed"] + ledger["dropped:env_error"] + c.running
+    assert ledger["admitted"] == ledger["completed"] + ledger["dropped:env_error"] + c.unfinished()
     assert all(t.failure is None for g in c.ready for t in g.trajectories)  # never trained on
 
 
@@ -166,7 +166,7 @@ def test_environment_crashes_are_recovered_and_every_sample_is_accounted_for(tmp
     ledger = summary["ledger"]
     assert summary["steps"] == 3 and len(kills) >= 3
     dropped = sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
-    assert ledger["admitted"] == ledger["completed"] + dropped + c.running
+    assert ledger["admitted"] == ledger["completed"] + dropped + c.unfinished()
     assert c.backend.runner.metrics["rewinds"] >= 1  # crashes mid-episode came back by restore
     assert all(np.isfinite(t.reward) for g in c.ready for t in g.trajectories)
 
@@ -200,6 +200,6 @@ def test_engine_worker_killed_mid_run_fails_over_and_the_run_completes(tmp_path)
     ledger = summary["ledger"]
     assert summary["steps"] == 3 and killed and len(client.failovers) >= 1
     dropped = sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
-    assert dropped == 0 and ledger["admitted"] == ledger["completed"] + c.running
+    assert dropped == 0 and ledger["admitted"] == ledger["completed"] + c.unfinished()
     with pytest.raises(ConfigError, match="engine_workers"):
         ControllerConfig(mode="tiderl", engine_workers=True)

@@ -391,7 +391,10 @@ class RolloutRunner:
     def _release(self, driver: _Driver, h: int):
         """Ends the engine's sequence `h` (its KV freed, full blocks kept in the prefix cache)."""
         def end():
-            out = self.engine.get(h)
+            try:
+                out = self.engine.get(h)
+            except RequestError:  # already gone (a task cancelled while its next turn was queued)
+                return
             if out.status.value == "paused":
                 self.engine.release(h)
             elif out.status.value in ("waiting", "prefilling", "running"):

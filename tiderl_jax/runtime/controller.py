@@ -300,6 +300,10 @@ class Controller:
             self.ready.append(group)
         self._wake.set()
 
+    def unfinished(self) -> int:
+        """Admitted samples that have not ended yet (running, or cut off by a stop)."""
+        return sum(g.launched - g.finished for g in self.in_flight.values())
+
     def _check_producer(self) -> None:
         """Raises what killed the producer (the trainer would otherwise wait for data forever)."""
         producer = getattr(self, "_producer", None)
@@ -480,7 +484,7 @@ class Controller:
                                     trajectories=[t.to_dict() for t in g.trajectories])
                                for g in self.in_flight.values()],
                     # samples still running are admitted again on resume: the ledger forgets them
-                    ledger=dict(self.ledger, admitted=self.ledger["admitted"] - self.running))
+                    ledger=dict(self.ledger, admitted=self.ledger["admitted"] - self.unfinished()))
         if self.checkpointer is None:
             return
         self.checkpointer.save(self.step, self.backend.arrays(), meta)
