@@ -38,6 +38,7 @@ environment needs the two methods, or runs with checkpoints off (`mode="never"`:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import multiprocessing
@@ -64,6 +65,10 @@ from tiderl_jax.faults.errors import (
 from tiderl_jax.policies import belayer
 
 START_METHODS = ("forkserver", "spawn")
+# Environment calls block a thread while the child works (tool latency included). asyncio's default
+# pool has min(32, cores + 4) threads (6 here), which would serialise the environment waits of
+# every task beyond the sixth; these threads only wait on pipes.
+_CALLS = concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="env-call")
 CHECKPOINT_MODES = ("belayer", "always", "never")
 
 
@@ -296,7 +301,8 @@ class EnvWorker:
     async def _call(self, op: str, arg: Any = None, timeout_s: float | None = None) -> Any:
         async with self._lock:
             try:
-                return await asyncio.to_thread(self._call_blocking, op, arg, timeout_s or self.timeout_s)
+                return await asyncio.get_running_loop().run_in_executor(
+                    _CALLS, self._call_blocking, op, arg, timeout_s or self.timeout_s)
             except asyncio.CancelledError:
                 self.kill()  # the child's state is unknown now; its next call reports a crash
                 raise
