@@ -108,3 +108,33 @@ def test_decode_step_matches_costs():
     expect = costs.decode_step_time(b.shape, b.hw, 12, 30000, devices=2)
     assert b._decode_step(12, 30000) == pytest.approx(expect, rel=1e-12)
     b.loop.close()
+
+
+def _measured(**kw):
+    base = dict(decode_step_s=0.02, decode_per_seq_s=0.0001, prefill_fixed_s=0.02, prefill_per_token_s=1e-5,
+                score_fixed_s=0.0, score_per_token_s=1e-4, update_fixed_s=0.0, update_per_token_s=4e-4,
+                ref_per_token_s=1e-4, sync_s=0.05, switch_s=1.0)
+    return costs.MeasuredCosts(**{**base, **kw})
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "tiderl"])
+def test_measured_costs_one_replica_per_rollout_mesh(tmp_path, mode):
+    # the validation's setting: per-op times measured on a host, one engine on all rollout devices
+    sim = SimConfig(tp=0, kv_pages=4096, max_batch=64, decode_chunk=8, measured=_measured())
+    summary, controller, backend = _run(tmp_path, mode, sim)
+    assert summary["steps"] == 3 and summary["goodput_tokens_per_s"] > 0
+    assert len(backend.replicas) == 1
+    assert backend._replica_devices == len(backend._devices("rollout"))
+    with pytest.raises(ValueError):
+        SimConfig(tp=0)  # the roofline needs a replica size
+
+
+def test_shared_cores_slow_overlapping_work(tmp_path):
+    # processor sharing with the rollout makes async steps longer, never shorter
+    free, _, _ = _run(tmp_path, "async", SimConfig(tp=0, kv_pages=4096, measured=_measured()), name="free")
+    shared, _, backend = _run(tmp_path, "async", SimConfig(
+        tp=0, kv_pages=4096, measured=_measured(rollout_overlap_x=20.0, train_overlap_x=1.5)), name="shared")
+    assert shared["wall_s"] > free["wall_s"]
+    assert backend._host_jobs == 0
+    with pytest.raises(ValueError):
+        _measured(rollout_overlap_x=0.5)

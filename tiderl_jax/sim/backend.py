@@ -210,6 +210,7 @@ class _Replica:
         self.busy = False  # an event in flight
         self.kicked = False  # a start is queued on the event heap
         self.event = (0.0, 0.0, 0.0, 0)  # the event in flight: (start, prefill seconds, decode step seconds, K)
+        self.ev_begin = self.ev_end = self.ev_dur = 0.0  # when it began, ends, and its busy seconds
 
 
 class SimBackend:
@@ -238,9 +239,10 @@ class SimBackend:
             self.shape, self.hw, self.ps, devices=config.tp, memory_fraction=config.memory_fraction)
         self.measured = config.measured
         self._host_jobs = 0  # train / ref jobs in flight (measured costs: cores shared with the rollout)
-        # task shapes of a group: (workload, rng, n) -> n TaskSamples; `sample_tasks` unless replaced
+        self._flip: asyncio.Future | None = None  # resolved when the rollout goes busy or idle (_host_work)
+        # task shapes of a group: (group, rng, n) -> n TaskSamples; None: `sample_tasks` of the workload
         # (benchmarks/sim_validation.py replays the tasks' demonstrations)
-        self.shape_sampler = sample_tasks
+        self.shape_sampler = None
         self._replica_devices = config.tp  # tp=0: all rollout devices (set by _rebuild)
         self._kv_bytes = costs.kv_bytes_per_token(self.shape)
         # costs.decode_step_time's terms, computed once (it is called at every replica event)
@@ -251,7 +253,7 @@ class SimBackend:
         self._bytes_rate = self.hw.hbm_bandwidth * config.efficiency.mbu * config.tp
         self._groups: dict[int, list] = {}  # gid -> [task shapes of its samples, samples not yet started]
         self._rollout_devices = 0
-        self._sync_s = costs.weight_sync_time(
+        self._sync_s = config.measured.sync_s if config.measured is not None else costs.weight_sync_time(
             self.shape, self.hw, receiver_devices=config.tp,
             span_devices=config.tp if pool is None else num_devices, latency_s=config.sync_fixed_s)
         self.replicas: dict[tuple, _Replica] = {}
@@ -340,7 +342,10 @@ class SimBackend:
         entry = self._groups.get(group)
         if entry is None or sample >= len(entry[0]):
             rng = np.random.default_rng([self.cfg.seed, group])
-            entry = self._groups[group] = [self.shape_sampler(self.workload, rng, max(group_size, sample + 1)), 0]
+            n = max(group_size, sample + 1)
+            shapes = (sample_tasks(self.workload, rng, n) if self.shape_sampler is None
+                      else self.shape_sampler(group, rng, n))
+            entry = self._groups[group] = [shapes, 0]
         entry[1] += 1
         shape = entry[0][sample]
         if entry[1] >= len(entry[0]):
@@ -358,17 +363,62 @@ class SimBackend:
                 seconds = costs.score_time(self.shape, self.hw, tokens, devices=len(self._devices("ref")),
                                            seq_len=seq_len, eff=self.eff)
             else:
-                seconds = (m.ref_fixed_s + m.ref_per_token_s * tokens) * self._train_overlap()
-            self._host_jobs += 1
-            try:
-                await asyncio.sleep(seconds)
-            finally:
-                self._host_jobs -= 1
+                seconds = m.ref_fixed_s + m.ref_per_token_s * tokens
+            await self._host_work(seconds)
         return [0.0] * len(trajectories), False
 
-    def _train_overlap(self) -> float:
-        """Measured costs: the slowdown of a train / ref job that starts while the rollout works."""
-        return self.measured.train_overlap_x if self._busy_replicas else 1.0
+    async def _host_work(self, seconds: float) -> None:
+        """A train or ref job of `seconds` (alone). Measured costs with shared cores: processor
+        sharing with the rollout, both ways: while any replica is busy the job advances at
+        1 / `train_overlap_x` of its speed, and while a job runs the busy replicas' events advance at
+        1 / `rollout_overlap_x` of theirs (their remaining time is stretched when the first job
+        starts and shrunk back when the last one ends)."""
+        m = self.measured
+        if m is None or (m.train_overlap_x == 1 and m.rollout_overlap_x == 1):
+            await asyncio.sleep(seconds)
+            return
+        if self._host_jobs == 0:
+            self._rescale_rollout(m.rollout_overlap_x)
+        self._host_jobs += 1
+        try:
+            loop, left = self.loop, seconds
+            while left > 1e-12:
+                x = m.train_overlap_x if self._busy_replicas else 1.0
+                if self._flip is None or self._flip.done():
+                    self._flip = loop.create_future()
+                flip, t0 = self._flip, loop.time()
+                timer = loop.call_at(t0 + left * x, lambda f=flip: f.done() or f.set_result(None))
+                try:
+                    await flip
+                finally:
+                    timer.cancel()
+                left -= (loop.time() - t0) / x
+        finally:
+            self._host_jobs -= 1
+            if self._host_jobs == 0:
+                self._rescale_rollout(1.0 / m.rollout_overlap_x)
+
+    def _rescale_rollout(self, f: float) -> None:
+        """Stretches (f > 1) or shrinks the rest of every busy replica's event by `f`."""
+        now = self.loop._now
+        for r in self.replicas.values():
+            if not r.busy or r.ev_end <= now:
+                continue
+            start, prefill, step, K = r.event
+            start = now + (start - now) * f  # then start + prefill + k * step = now + (old - now) * f
+            r.event = (start, prefill * f, step * f, K)
+            r.ev_end = start + (prefill + K * step) * f
+            r.ev_dur = r.ev_end - r.ev_begin
+            self._order += 1
+            heapq.heappush(self._heap, (r.ev_end, self._order, self._event_end, r))
+            if not self._driving:
+                self._arm(r.ev_end)
+
+    def _rollout_flipped(self) -> None:
+        """The rollout went idle or busy: host jobs re-time themselves (`_host_work`)."""
+        flip = self._flip
+        if flip is not None and not flip.done():
+            flip.set_result(None)
 
     async def train(self, trajectories: Sequence[Trajectory]) -> dict:
         tokens, seq_len = _tokens(trajectories)
@@ -378,21 +428,16 @@ class SimBackend:
             proximal = costs.score_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
             update = costs.train_step_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
         else:
-            x = self._train_overlap()
-            proximal = (m.score_fixed_s + m.score_per_token_s * tokens) * x
-            update = (m.update_fixed_s + m.update_per_token_s * tokens) * x
+            proximal = m.score_fixed_s + m.score_per_token_s * tokens
+            update = m.update_fixed_s + m.update_per_token_s * tokens
         has_ref = bool(trajectories) and all(t.info.get("ref_logp") is not None for t in trajectories)
         ref = 0.0 if has_ref else proximal
-        self._host_jobs += 1
-        try:
-            await asyncio.sleep(proximal + ref + update)
-        finally:
-            self._host_jobs -= 1
+        await self._host_work(proximal + ref + update)
         return dict(tokens=float(sum(t.model_tokens for t in trajectories)), reward=0.0, loss=0.0,
                     time_proximal_s=proximal, time_ref_s=ref, time_update_s=update, compile_s=0.0)
 
     async def publish(self, version: int) -> bool:
-        await asyncio.sleep(self._sync_s if self.measured is None else self.measured.sync_s)
+        await asyncio.sleep(self._sync_s)
         self.version = version
         for r in self.replicas.values():
             r.version = version
@@ -698,20 +743,22 @@ class SimBackend:
         if r.vlog[-1][1] != r.version:
             r.vlog.append((steps, r.version))
         r.event = (now, prefill, step, K)
+        r.ev_begin, r.ev_dur = now, prefill + K * step
+        r.ev_end = end = now + r.ev_dur
         r.busy = True
         self._busy_replicas += 1
         if self._busy_replicas == 1:
             self._busy_first()
         self._order += 1
-        heapq.heappush(self._heap, (now + prefill + K * step, self._order, self._event_end, r))
+        heapq.heappush(self._heap, (end, self._order, self._event_end, r))
         if not self._driving:
-            self._arm(now + prefill + K * step)
+            self._arm(end)
 
     def _event_end(self, r: _Replica) -> None:
-        if not r.alive:  # moved away while the event ran: its progress is lost (`_rebuild`)
+        if not r.alive or self.loop._now != r.ev_end:  # moved away (`_rebuild`), or re-timed (`_rescale_rollout`)
             return
         start, prefill, step, K = r.event
-        self._busy_end(r, prefill + K * step)
+        self._busy_end(r, r.ev_dur)
         self._events += 1
         first = r.steps
         r.steps = last = first + K
@@ -840,6 +887,8 @@ class SimBackend:
 
     def _busy_first(self) -> None:
         """The first busy replica of the pool (`_start_event` counts them): a rollout span opens."""
+        if self._flip is not None:
+            self._rollout_flipped()
         if self.metrics is not None:
             self._busy_since = self.metrics.now()
         elif self._step_span is not None:
@@ -857,6 +906,8 @@ class SimBackend:
             m.busy_device_s["rollout"] += seconds * self._replica_devices
             m.busy_s["rollout"] += seconds * self._replica_devices / n
         if self._busy_replicas == 0:
+            if self._flip is not None:
+                self._rollout_flipped()
             if m is not None:
                 start, end = self._busy_since, m.now()
                 m.spans.append(("rollout", "generate", start, end))

@@ -1,0 +1,514 @@
+"""Simulator validation (issue 8 item 7): calibrate `SimBackend` on this machine, simulate the
+configuration of benchmarks/goodput.py with the real controller, compare goodput ratios per mode.
+
+    python benchmarks/sim_validation.py [--quick] [--json out.json] [--measured PATH ...]
+
+**Measured side** (never run here: goodput.py takes minutes of both cores): the JSON rows of
+`benchmarks/goodput.py --json` runs, by default /tmp/notes/goodput_run1.json and goodput_run2.json
+(those present), or `--measured PATH ...`. Per mode, the mean goodput over the runs.
+
+**Calibration: what is set from what** (all measured by this script, in-process, in seconds; no
+number of the goodput runs enters the simulation):
+- *rollout* (`costs.MeasuredCosts.decode_*`, `prefill_*`): the real `Engine` with goodput.py's engine
+  config (prefix cache off, so every prompt token is computed) and the goodput model (random weights:
+  speed does not depend on them), on a mesh of the layout's rollout devices (8 for sync, 4 for async and
+  tiderl). A decode step = (time of one engine step with B sequences decoding, 8 steps per call) / 8,
+  at two batch sizes -> fixed + per-sequence parts. A prefill = time of an engine step that admits new
+  prompts (real prompts of the tasks) minus one decode step, at two sizes -> fixed + per-token parts.
+- *training* (`score_*`, `update_*`): `Trainer.rl_step` with goodput.py's trainer config on a batch of
+  4 groups x 4 demonstration trajectories, on a mesh of the layout's train devices (8 / 4 / 2); its own
+  timers give the proximal pass, the reference pass (colocated, the same program) and the update;
+  per context token (the batch is the size the goodput runs train on).
+- *reference on its own devices* (`ref_*`, tiderl): `Scorer.score_trajectories` on 2 devices, one group.
+- *weight sync* (`sync_s`): `Engine.update_params` with the trainer's parameters placed on the engine's
+  shardings. *Moves* (`switch_s`): not measured (the goodput runs made none), set to 10 s.
+- *shared cores* (`rollout_overlap_x`, `train_overlap_x`): engine steps (a thread, 12 sequences
+  decoding) and train steps run at once for a few train steps; each one's time per step then over its
+  time alone (async layout, 4 + 4 devices; tiderl uses the same factors). On this machine the engine
+  barely advances while a train step runs (XLA's CPU programs of the two share one pool of 2 cores),
+  so the simulated rollout and training nearly take turns in every mode, as they do in the real runs.
+- *workload*: the tasks' demonstrations (what the SFT warm start imitates): per task (calculator and
+  lookup in turn, one task per GRPO group as the controller assigns them) the prompt tokens, the model
+  tokens of each turn and the observation tokens between turns, through the same chat template and
+  byte tokenizer; environment latency log-normal median 0.3 s, sigma 1.0, capped at 5 s (goodput.py's
+  flags; `limit`: none). Layouts, batch, steps, skipped steps, staleness, concurrency: goodput.py's.
+
+**What the simulator cannot represent here** (so a ratio may differ for these reasons):
+- Core sharing is a first-order factor (the state when work starts), not processor sharing, and the
+  rollout loop's own Python (tokenising, parsing tool calls, the environments, asyncio) that competes
+  with the trainer for the GIL and the cores is not modelled.
+- The real policy samples: its turns and lengths vary around the demonstrations, some tasks fail or
+  run longer; the simulation replays the demonstration's shape for every sample of a group.
+- The real engine decodes 1 step per call while a prefill waits, and pads batches to buckets; the
+  simulated one decodes K = min(8, longest remaining turn) per event.
+- Compile time (excluded from both: the first updates are skipped), JAX dispatch jitter, and the other
+  processes on this shared machine (noise of about +-10% between the two measured runs).
+
+Output: a table and JSON rows with `mode`, `measured_goodput`, `simulated_goodput` (tokens/s, mean over
+`--seeds` simulation seeds), `measured_ratio` / `simulated_ratio` (goodput / sync goodput) and
+`relative_error` = simulated_ratio / measured_ratio - 1 (target: within 15%), plus the calibration.
+`--quick`: fewer repetitions per measurement and 2 simulation seeds.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from tiderl_jax.agents import tasks as task_lib  # noqa: E402
+from tiderl_jax.model import chat  # noqa: E402
+from tiderl_jax.model.config import ModelConfig  # noqa: E402
+from tiderl_jax.model.tokenizer import Tokenizer  # noqa: E402
+from tiderl_jax.runtime.controller import ControllerConfig  # noqa: E402
+from tiderl_jax.sim import backend as sim_backend  # noqa: E402
+from tiderl_jax.sim import costs, workloads  # noqa: E402
+
+# benchmarks/goodput.py's model, engine and trainer settings (kept equal by hand: importing goodput.py
+# would import its whole JAX stack before the flags here are parsed)
+MODEL = ModelConfig(arch="qwen3", vocab_size=384, hidden_size=128, intermediate_size=384, num_layers=4,
+                    num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, max_position_embeddings=2048,
+                    dtype="float32")
+ENGINE = dict(page_size=16, num_pages=4096, max_seq_len=2048, max_running=64, prefill_chunk=512,
+              prefill_budget=2048, max_prefill_rows=16, decode_steps=8)
+TRAINER = dict(learning_rate=1e-4, warmup_steps=1, row_len=1024, micro_rows=4)
+KINDS = ("calculator", "lookup")
+GROUPS, GROUP_SIZE, STEPS, SKIP, MAX_CONCURRENT = 4, 4, 8, 2, 48
+LATENCY = (0.3, 1.0, 5.0)  # median s, sigma, cap s
+# rollout / ref / train devices of each mode's layout (goodput.py run_mode; sync: all 8 for everything)
+LAYOUTS = {"sync": (8, 0, 8), "async": (4, 0, 4), "tiderl": (4, 2, 2), "limit": (4, 2, 2)}
+MODES = ("sync", "async", "tiderl", "limit")
+DEFAULT_MEASURED = ["/tmp/notes/goodput_run1.json", "/tmp/notes/goodput_run2.json"]
+
+
+# ------------------------------------------------------------------ workload from the demonstrations
+
+def demo_shapes(count: int = 64) -> dict[str, list[tuple]]:
+    """Per kind, `count` train tasks' demonstration shapes: (prompt tokens incl. the generation
+    prompt, model tokens per turn, observation tokens between turns incl. the next generation prompt),
+    and the token ids of their prompts (for the engine measurements)."""
+    tok = Tokenizer.builtin()
+    out = {}
+    for kind in KINDS:
+        rows = []
+        for i in range(count):
+            task = task_lib.make_task(kind, i, "train", 0)
+            enc = chat.encode(tok, task_lib.demonstration(task))
+            runs, gaps, prev_end, prompt = [], [], None, 0
+            mask = list(enc.model_mask)
+            j = 0
+            while j < len(mask):
+                if mask[j]:
+                    k = j
+                    while k < len(mask) and mask[k]:
+                        k += 1
+                    if prev_end is None:
+                        prompt = j
+                    else:
+                        gaps.append(j - prev_end)
+                    runs.append(k - j)
+                    prev_end = j = k
+                else:
+                    j += 1
+            rows.append((prompt, tuple(runs), tuple(gaps), list(enc.ids[:prompt])))
+        out[kind] = rows
+    return out
+
+
+def shape_sampler(shapes: dict, latency: tuple[float, float, float] | None):
+    """`SimBackend.shape_sampler`: group g is task g // len(KINDS) of kind KINDS[g % len(KINDS)] (the
+    controller's `_next_task`), every sample of it the demonstration's shape, latencies drawn per call."""
+    def sample(group: int, rng: np.random.Generator, n: int) -> list[workloads.TaskSample]:
+        rows = shapes[KINDS[group % len(KINDS)]]
+        prompt, gen, obs, _ = rows[(group // len(KINDS)) % len(rows)]
+        out = []
+        for _ in range(n):
+            if latency is None:
+                lat = (0.0,) * len(obs)
+            else:
+                median, sigma, cap = latency
+                lat = tuple(float(x) for x in np.minimum(cap, median * np.exp(sigma * rng.standard_normal(len(obs)))))
+            out.append(workloads.TaskSample(prompt, gen, obs, lat, False))
+        return out
+    return sample
+
+
+def goodput_workload(shapes: dict) -> workloads.Workload:
+    """goodput.py's workload as a `Workload` (its distributions only feed CTB's estimates: the task
+    shapes come from `shape_sampler`)."""
+    every = [r for rows in shapes.values() for r in rows]
+    gen = [g for r in every for g in r[1]]
+    obs = [o for r in every for o in r[2]]
+    return workloads.Workload(
+        name="goodput-cpu", source="benchmarks/goodput.py defaults; shapes from the tasks' demonstrations",
+        model=costs.shape_from_config(MODEL, "goodput-1m", dtype="float32"), accelerator="h100", devices=8,
+        max_turns=8, max_context=1024, prompts_per_step=GROUPS, group_size=GROUP_SIZE,
+        prompt_tokens=workloads.Fixed(statistics.mean(r[0] for r in every)),
+        turns=workloads.Fixed(round(statistics.mean(len(r[1]) for r in every))),
+        tokens_per_turn=workloads.Fixed(statistics.mean(gen)),
+        observation_tokens=workloads.Fixed(statistics.mean(obs)),
+        env_latency_s=workloads.ClippedLognormal(median=LATENCY[0], sigma=LATENCY[1], high=LATENCY[2]),
+        from_paper=(), assumed=workloads.PARAMETERS)
+
+
+# ------------------------------------------------------------------ calibration (JAX from here on)
+
+def _timed(fn, reps: int) -> float:
+    """Median seconds of `reps` calls (after one untimed call: compiles, caches)."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+class _Lab:
+    """The goodput model's engine, trainer and scorer on meshes of n fake devices."""
+
+    def __init__(self, shapes):
+        import jax
+        from flax import nnx
+
+        from tiderl_jax.model.decoder import init_decoder
+        from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh
+
+        self.jax, self.nnx = jax, nnx
+        self.devices = jax.devices()
+        self.rules = DEFAULT_RULES
+        self.make_mesh = make_mesh
+        self.graphdef, self.params = nnx.split(init_decoder(MODEL, seed=0))
+        self.shapes = shapes
+        self.prompts = [r[3] for kind in KINDS for r in shapes[kind]]
+        self._engines, self._trainers = {}, {}
+
+    def mesh(self, n: int, offset: int = 0):
+        t = 2 if n % 2 == 0 else 1
+        return self.make_mesh({"data": 1, "fsdp": n // t, "tensor": t}, self.devices[offset:offset + n])
+
+    def engine(self, n: int):
+        from tiderl_jax.engine.engine import Engine, EngineConfig
+        from tiderl_jax.runtime.devices import model_on
+
+        if n not in self._engines:
+            cfg = EngineConfig(**ENGINE, enable_prefix_cache=False)
+            self._engines[n] = Engine(model_on(self.graphdef, self.params, self.mesh(n), self.rules), cfg)
+        return self._engines[n]
+
+    def trainer(self, n: int, offset: int):
+        from tiderl_jax.model.sharding import place_copy
+        from tiderl_jax.rl.losses import LossConfig
+        from tiderl_jax.rl.trainer import Trainer, TrainerConfig
+        from tiderl_jax.runtime.devices import model_on
+
+        key = (n, offset)
+        if key not in self._trainers:
+            cfg = TrainerConfig(loss=LossConfig(), total_steps=1000, **TRAINER)
+            tr = Trainer(model_on(self.graphdef, self.params, self.mesh(n, offset), self.rules), cfg,
+                         mesh=self.mesh(n, offset), rules=self.rules)
+            tr.ref_params = place_copy(tr.params, self.jax.tree.map(lambda x: x.sharding, tr.params))
+            self._trainers[key] = tr
+        return self._trainers[key]
+
+    def batch(self, groups: int = GROUPS):
+        """`groups` GRPO groups of demonstration trajectories (kinds in turn), rewards 0 / 1 mixed."""
+        from tiderl_jax.rl import sft
+
+        tok = Tokenizer.builtin()
+        out = []
+        for g in range(groups):
+            task = task_lib.make_task(KINDS[g % len(KINDS)], g // len(KINDS), "train", 0)
+            for i in range(GROUP_SIZE):
+                t = sft.demonstration_trajectory(task, tok, group=g)
+                t.reward = float(i % 2)
+                t.versions = [0 if m else -1 for m in t.loss_mask]
+                t.info["sample"] = i
+                out.append(t)
+        return out
+
+    # -------------------------------------------------------------- rollout
+
+    def _fill(self, eng, batch: int, new_tokens: int = 900):
+        """`batch` sequences decoding (prefills done)."""
+        from tiderl_jax.engine.engine import Request
+        from tiderl_jax.engine.sampling import SamplingParams
+
+        for h in list(eng._seqs):
+            eng.abort(h)
+            eng.release(h)
+        for i in range(batch):
+            eng.submit(Request(self.prompts[i % len(self.prompts)],
+                               SamplingParams(seed=i, max_new_tokens=new_tokens)))
+        for _ in range(50):
+            eng.step()
+            st = eng.stats()
+            if st["num_waiting"] == 0 and st["num_prefilling"] == 0:
+                break
+
+    def decode_step(self, n: int, batch: int, reps: int) -> float:
+        eng = self.engine(n)
+        self._fill(eng, batch)
+        return _timed(eng.step, reps) / ENGINE["decode_steps"]
+
+    def prefill(self, n: int, running: int, prompts: int, reps: int) -> tuple[float, int]:
+        """(seconds of an engine step admitting `prompts` new prompts next to `running` decoding
+        sequences, minus one decode step; their tokens)."""
+        from tiderl_jax.engine.engine import Request
+        from tiderl_jax.engine.sampling import SamplingParams
+
+        eng = self.engine(n)
+        ts, tokens = [], 0
+        for rep in range(reps + 1):
+            self._fill(eng, running)
+            eng.step()
+            new = [self.prompts[(7 * rep + j) % len(self.prompts)] for j in range(prompts)]
+            for j, p in enumerate(new):
+                eng.submit(Request(p, SamplingParams(seed=100 + j, max_new_tokens=50)))
+            t0 = time.perf_counter()
+            eng.step()
+            if rep:  # the first compiled
+                ts.append(time.perf_counter() - t0)
+                tokens = sum(len(p) for p in new)
+        one = self.decode_step(n, running + prompts, reps)
+        return max(0.0, statistics.median(ts) - one), tokens
+
+    # -------------------------------------------------------------- training
+
+    def train(self, n: int, offset: int, reps: int) -> dict:
+        tr = self.trainer(n, offset)
+        trajs = self.batch()
+        tr.rl_step(trajs)  # compiles
+        outs = [tr.rl_step(trajs) for _ in range(reps)]
+        tokens = sum(len(t.tokens) for t in trajs)
+        med = {k: statistics.median(o[k] for o in outs) for k in ("time_proximal_s", "time_ref_s", "time_update_s")}
+        return dict(med, tokens=tokens)
+
+    def ref_pass(self, n: int, offset: int, reps: int) -> tuple[float, int]:
+        from tiderl_jax.rl.losses import LossConfig
+        from tiderl_jax.rl.trainer import Scorer, TrainerConfig
+        from tiderl_jax.runtime.devices import model_on
+
+        mesh = self.mesh(n, offset)
+        sc = Scorer(model_on(self.graphdef, self.params, mesh, self.rules),
+                    TrainerConfig(loss=LossConfig(), total_steps=1000, **TRAINER), mesh=mesh, rules=self.rules)
+        group = self.batch(1)
+        return _timed(lambda: sc.score_trajectories(group), reps), sum(len(t.tokens) for t in group)
+
+    def sync(self, n_roll: int, n_train: int, offset: int, reps: int) -> float:
+        from tiderl_jax.model.sharding import place_copy
+
+        eng, tr = self.engine(n_roll), self.trainer(n_train, offset)
+
+        def publish():
+            eng.update_params(place_copy(tr.params, eng.runner.param_shardings), eng.version + 1)
+            self.jax.block_until_ready(eng.runner.params)
+        return _timed(publish, reps)
+
+    def overlap(self, reps: int) -> tuple[float, float]:
+        """Slowdowns when rollout (engine on devices 0-3, 12 sequences decoding) and training (trainer on
+        4-7) run at once: both loop together for `reps` train steps; each one's rate then over alone."""
+        eng, tr = self.engine(4), self.trainer(4, 4)
+        trajs = self.batch()
+        self._fill(eng, 12)
+        alone_dec = _timed(eng.step, reps * 3)
+        tr.rl_step(trajs)
+        alone_train = statistics.median(_wall(lambda: tr.rl_step(trajs)) for _ in range(reps))
+        self._fill(eng, 12)
+        stop, steps = threading.Event(), []
+
+        def engine_loop():
+            while not stop.is_set():
+                steps.append(_wall(eng.step))
+        th = threading.Thread(target=engine_loop, daemon=True)
+        t0 = time.perf_counter()
+        th.start()
+        for _ in range(reps):
+            tr.rl_step(trajs)
+        both = time.perf_counter() - t0
+        stop.set()
+        th.join()
+        # engine steps completed while training ran (rate), train steps in that time
+        x_roll = both / max(1, len(steps)) / alone_dec
+        x_train = both / reps / alone_train
+        return max(1.0, x_roll), max(1.0, x_train)
+
+
+def _wall(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def calibrate(shapes, reps: int, log=print) -> tuple[dict[str, costs.MeasuredCosts], dict]:
+    """`MeasuredCosts` per mode (from its layout), and the raw measurements."""
+    lab = _Lab(shapes)
+    raw = {}
+    t_all = time.perf_counter()
+    for n in sorted({LAYOUTS[m][0] for m in MODES}):
+        small, large = 4, 16
+        d_small, d_large = lab.decode_step(n, small, reps), lab.decode_step(n, large, reps)
+        per_seq = max(0.0, (d_large - d_small) / (large - small))
+        p1, n1 = lab.prefill(n, 8, 1, reps)
+        p4, n4 = lab.prefill(n, 8, 4, reps)
+        per_tok = max(0.0, (p4 - p1) / max(1, n4 - n1))
+        raw[f"rollout_{n}"] = dict(decode_step_b4_s=d_small, decode_step_b16_s=d_large, prefill_s={n1: p1, n4: p4})
+        raw[f"rollout_{n}"].update(decode_step_s=max(0.0, d_small - per_seq * small), decode_per_seq_s=per_seq,
+                                   prefill_fixed_s=max(0.0, p1 - per_tok * n1), prefill_per_token_s=per_tok)
+        log(f"rollout on {n} devices: {raw[f'rollout_{n}']}")
+    offsets = {8: 0, 4: 4, 2: 6}
+    for n in sorted({LAYOUTS[m][2] for m in MODES}):
+        raw[f"train_{n}"] = lab.train(n, offsets[n], reps)
+        log(f"train on {n} devices: {raw[f'train_{n}']}")
+    raw["ref_2"] = dict(zip(("seconds", "tokens"), lab.ref_pass(2, 4, reps)))
+    log(f"ref on 2 devices (one group): {raw['ref_2']}")
+    synced = {}
+    for m in MODES:  # per layout (limit has tiderl's)
+        roll, _, train = LAYOUTS[m]
+        if (roll, train) not in synced:
+            synced[roll, train] = lab.sync(roll, train, offsets[train], reps)
+        raw[f"sync_{m}"] = synced[roll, train]
+    log("weight sync: " + ", ".join(f"{m} {raw[f'sync_{m}']:.4f}s" for m in MODES))
+    x_roll, x_train = lab.overlap(max(2, reps))
+    raw["overlap"] = dict(rollout_x=x_roll, train_x=x_train)
+    log(f"shared cores: rollout x{x_roll:.2f}, train x{x_train:.2f} while the other runs")
+    raw["calibration_s"] = time.perf_counter() - t_all
+    out = {}
+    for m in MODES:
+        roll, ref, train = LAYOUTS[m]
+        r, t = raw[f"rollout_{roll}"], raw[f"train_{train}"]
+        out[m] = costs.MeasuredCosts(
+            decode_step_s=r["decode_step_s"], decode_per_seq_s=r["decode_per_seq_s"],
+            prefill_fixed_s=r["prefill_fixed_s"], prefill_per_token_s=r["prefill_per_token_s"],
+            score_fixed_s=0.0, score_per_token_s=t["time_proximal_s"] / t["tokens"],
+            update_fixed_s=0.0, update_per_token_s=t["time_update_s"] / t["tokens"],
+            ref_fixed_s=0.0, ref_per_token_s=raw["ref_2"]["seconds"] / raw["ref_2"]["tokens"],
+            sync_s=raw[f"sync_{m}"], switch_s=10.0,
+            rollout_overlap_x=1.0 if m == "sync" else x_roll, train_overlap_x=1.0 if m == "sync" else x_train,
+            source=f"benchmarks/sim_validation.py on this CPU: rollout {roll}, ref {ref}, train {train} fake devices")
+    return out, raw
+
+
+# ------------------------------------------------------------------ simulation
+
+def simulate(mode: str, measured: costs.MeasuredCosts, shapes: dict, seed: int) -> dict:
+    """goodput.py's `run_mode` on `SimBackend`: rates over updates SKIP+1..STEPS (goodput.py's `_rates`)."""
+    import asyncio
+
+    w = goodput_workload(shapes)
+    ccfg = ControllerConfig(mode="tiderl" if mode == "limit" else mode, steps=STEPS, groups_per_step=GROUPS,
+                            group_size=GROUP_SIZE, max_concurrent=MAX_CONCURRENT, task_kinds=KINDS,
+                            device_group_size=2, rollout_groups=2, ref_groups=0 if mode == "async" else 1,
+                            train_groups=2 if mode == "async" else 1, tensor=2)
+    sim = sim_backend.SimConfig(workload=w, tp=0, page_size=ENGINE["page_size"], kv_pages=ENGINE["num_pages"],
+                                max_batch=ENGINE["max_running"], decode_chunk=ENGINE["decode_steps"],
+                                measured=measured, seed=seed)
+    logdir = tempfile.mkdtemp(prefix=f"simval_{mode}_")
+    controller, backend = sim_backend.make_controller(sim, ccfg, num_devices=8, logdir=logdir)
+    backend.shape_sampler = shape_sampler(shapes, None if mode == "limit" else LATENCY)
+    loop = backend.loop
+    try:
+        asyncio.set_event_loop(loop)
+        summary = loop.run_until_complete(controller.run())
+    finally:
+        asyncio.set_event_loop(None)
+        controller.metrics.close()
+        loop.close()
+    rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
+    a, b = rows[SKIP - 1], rows[-1]
+    span = b["wall_s"] - a["wall_s"]
+    return dict(goodput_tokens_per_s=(b["consumed_tokens"] - a["consumed_tokens"]) / span,
+                step_time_s=span / (len(rows) - SKIP), kv_hit_rate=summary["kv_hit_rate"],
+                moves=summary["moves"], discarded=summary["discarded"])
+
+
+def load_measured(paths: list[str]) -> tuple[dict[str, list[float]], list[str]]:
+    by, used = {}, []
+    for p in paths:
+        if not os.path.exists(p):
+            continue
+        used.append(p)
+        for row in json.load(open(p)):
+            by.setdefault(row["mode"], []).append(float(row["goodput_tokens_per_s"]))
+    return by, used
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions, 2 simulation seeds")
+    p.add_argument("--json")
+    p.add_argument("--measured", nargs="+", default=DEFAULT_MEASURED, help="goodput.py --json outputs")
+    p.add_argument("--seeds", type=int, default=8, help="simulation seeds averaged per mode")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
+    p.add_argument("--calibration", help="reuse the calibration of an earlier --json output (no measuring)")
+    args = p.parse_args()
+    if args.quick:
+        args.seeds, args.reps = 2, 2
+    measured, used = load_measured(args.measured)
+    if "sync" not in measured:
+        p.error(f"no measured sync row in {args.measured}: run benchmarks/goodput.py --json PATH first")
+    print(f"measured: {', '.join(used)}", flush=True)
+    shapes = demo_shapes()
+    every = [r for rows in shapes.values() for r in rows]
+    print(f"workload from demonstrations: prompt {statistics.mean(r[0] for r in every):.0f} tokens, "
+          f"{statistics.mean(len(r[1]) for r in every):.2f} turns, "
+          f"{statistics.mean(sum(r[1]) for r in every):.1f} model tokens per sample", flush=True)
+    if args.calibration:
+        saved = json.load(open(args.calibration))
+        cal = {m: costs.MeasuredCosts(**c) for m, c in saved["calibration"].items()}
+        raw = dict(saved["raw"], reused=args.calibration)
+        print(f"calibration reused from {args.calibration}", flush=True)
+    else:
+        cal, raw = calibrate(shapes, args.reps)
+        print(f"calibration took {raw['calibration_s']:.0f}s", flush=True)
+    sim = {}
+    for mode in MODES:
+        if mode not in measured:
+            continue
+        t0 = time.perf_counter()
+        runs = [simulate(mode, cal[mode], shapes, seed) for seed in range(args.seeds)]
+        sim[mode] = dict(goodput=statistics.mean(r["goodput_tokens_per_s"] for r in runs),
+                         step_time_s=statistics.mean(r["step_time_s"] for r in runs),
+                         kv_hit_rate=statistics.mean(r["kv_hit_rate"] for r in runs),
+                         sd=statistics.pstdev(r["goodput_tokens_per_s"] for r in runs), wall_s=time.perf_counter() - t0)
+    m_sync, s_sync = statistics.mean(measured["sync"]), sim["sync"]["goodput"]
+    rows = []
+    for mode in sim:
+        mg, sg = statistics.mean(measured[mode]), sim[mode]["goodput"]
+        mr, sr = mg / m_sync, sg / s_sync
+        rows.append(dict(mode=mode, measured_goodput=mg, simulated_goodput=sg, measured_ratio=mr, simulated_ratio=sr,
+                         relative_error=sr / mr - 1, measured_runs=measured[mode],
+                         simulated_sd=sim[mode]["sd"], simulated_step_time_s=sim[mode]["step_time_s"],
+                         simulated_kv_hit_rate=sim[mode]["kv_hit_rate"], sim_wall_s=sim[mode]["wall_s"]))
+    print(f"\n{'mode':<8}{'measured tok/s':>15}{'simulated tok/s':>16}{'meas. / sync':>13}{'sim. / sync':>12}"
+          f"{'rel. error':>11}{'sim step s':>11}")
+    for r in rows:
+        print(f"{r['mode']:<8}{r['measured_goodput']:>15.1f}{r['simulated_goodput']:>16.1f}{r['measured_ratio']:>13.3f}"
+              f"{r['simulated_ratio']:>12.3f}{r['relative_error']:>+11.1%}{r['simulated_step_time_s']:>11.2f}")
+    worst = max(abs(r["relative_error"]) for r in rows)
+    print(f"\nworst ratio error {worst:.1%} (target within 15%)")
+    for r in rows:
+        print(json.dumps({k: r[k] for k in ("mode", "measured_goodput", "simulated_goodput", "relative_error")}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, calibration={m: dataclasses.asdict(c) for m, c in cal.items()}, raw=raw),
+                      f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
