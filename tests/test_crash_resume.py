@@ -8,26 +8,34 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_sigkill_then_resume_completes(tmp_path):
+@pytest.mark.parametrize("after, delay_s", [("step 2/4", 0.0), ("step 1/4", 0.7)])
+def test_sigkill_then_resume_completes(tmp_path, after, delay_s):
+    # killed right after a step (its checkpoint being written), or 0.7 s into the next step
     logdir, steps = str(tmp_path / "run"), 4
     cmd = [sys.executable, os.path.join(ROOT, "tests", "crash_run.py"), logdir, str(steps)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     seen = []
     deadline = time.time() + 600
-    for line in proc.stdout:  # kill it once step 2 has been logged: mid-run, saves in flight
+    for line in proc.stdout:
         seen.append(line)
-        if "step 2/4" in line or time.time() > deadline:
+        if after in line or time.time() > deadline:
             break
-    assert any("step 2/4" in x for x in seen), "".join(seen[-20:])
+    assert any(after in x for x in seen), "".join(seen[-20:])
+    time.sleep(delay_s)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-    assert lines[0]["resumed_at"] >= 1  # the checkpoint of step 1 or 2 (a save can be cut by the kill)
+    # the last complete checkpoint (a save in flight can be cut by the kill): after step 2 was logged,
+    # step 1's is complete; 0.7 s into step 2, step 1's save may still have been in flight
+    resumed = lines[0]["resumed_at"]
+    assert resumed >= 1 if after == "step 2/4" else resumed in (None, 1)
     final = lines[-1]
     assert final["done"] == steps
     consumed = [tuple(x) for x in final["consumed"]]

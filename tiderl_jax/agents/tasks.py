@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import ast
 import collections
+import dataclasses
 import json
 import operator
 import random
 import re
+import zlib
 from typing import Any, Callable, Mapping
 
 from tiderl_jax.agents import sandbox, visual
@@ -331,3 +333,14 @@ def demonstration(task: Task, *, patch_size: int = 4) -> list[chat.Message]:
     elif task.kind == "visual":  # the user's message carries the overview image
         msgs = msgs[:1] + visual.demonstration(task, patch_size)
     return msgs
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskEnvFactory:
+    """The built-in task environments with a latency model, seeded by task id. Picklable, and defined
+    here because environment subprocesses (faults/env_worker.py) preload this module: unpickling it
+    in a child costs no imports."""
+    latency: LatencyModel = LatencyModel()
+
+    def __call__(self, task: Task):
+        return make_env(task, latency=self.latency, seed=zlib.crc32(task.task_id.encode()))

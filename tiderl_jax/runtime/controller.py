@@ -36,7 +36,6 @@ import collections
 import dataclasses
 import logging
 import math
-import zlib
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
@@ -125,16 +124,6 @@ class ControllerConfig:
         return self.groups_per_step * self.group_size
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskEnvFactory:
-    """The built-in task environments, seeded by task id (picklable: environment subprocesses build
-    their environment with it)."""
-    latency: LatencyModel = LatencyModel()
-
-    def __call__(self, task: Task):
-        return task_lib.make_env(task, latency=self.latency, seed=zlib.crc32(task.task_id.encode()))
-
-
 @dataclasses.dataclass
 class _Group:
     gid: int
@@ -159,7 +148,7 @@ class Controller:
                  backend: Backend | None = None, checkpoints: bool = True):
         self.cfg = config
         self.latency = latency
-        self._make_env = make_env or TaskEnvFactory(latency)
+        self._make_env = make_env or task_lib.TaskEnvFactory(latency)
         if config.env_workers:
             from tiderl_jax.faults.env_worker import CheckpointConfig, CheckpointingEnv
             checkpoint = CheckpointConfig(mode=config.env_checkpoint, p_fail=config.env_p_fail,
