@@ -62,6 +62,13 @@ What is modelled (all parameters in `SimConfig`, each a documented default):
 - **Moves** (`switch_time`: `switch_fixed_s` plus the role's state: bf16 weights for rollout, plus
   `optimizer_bytes_per_param` for train, arriving on the moved group's devices).
 
+**Measured costs** (`SimConfig.measured`, `costs.MeasuredCosts`; benchmarks/sim_validation.py): per-op
+times measured on a host replace the roofline (no scaling with device counts: fake devices that share
+a host's cores do not add speed), `tp=0` runs one replica on all rollout devices (one engine, as the
+real backend), and train / ref jobs share the cores with the rollout by processor sharing
+(`_host_work`: each side advances at 1 / its measured overlap factor while the other works; in-flight
+replica events are re-timed when the first job starts and the last one ends).
+
 Busy time (MECHANISMS.md §9 waiting): with `attach(metrics)`, each replica event adds
 `seconds * tp` busy device-seconds to the rollout lane (replicas idle while others work count as
 waiting), wall busy seconds add `seconds * tp / rollout devices` (the mean replica's busy time, what
@@ -395,7 +402,7 @@ class SimBackend:
                 left -= (loop.time() - t0) / x
         finally:
             self._host_jobs -= 1
-            if self._host_jobs == 0:
+            if self._host_jobs == 0 and self._started:  # (a job cancelled at the end: the loop may be closed)
                 self._rescale_rollout(1.0 / m.rollout_overlap_x)
 
     def _rescale_rollout(self, f: float) -> None:
@@ -969,17 +976,27 @@ def make_controller(sim: SimConfig, controller_config, *, num_devices: int, logd
     return controller, backend
 
 
-def run(sim: SimConfig, controller_config, *, num_devices: int, logdir: str) -> tuple[dict, Any, SimBackend]:
-    """Runs the controller on the simulator to its last step: (summary, controller, backend)."""
+def run(sim: SimConfig, controller_config, *, num_devices: int, logdir: str,
+        shape_sampler=None) -> tuple[dict, Any, SimBackend]:
+    """Runs the controller on the simulator to its last step: (summary, controller, backend).
+    `shape_sampler`: `SimBackend.shape_sampler` (None: the workload's distributions)."""
     controller, backend = make_controller(sim, controller_config, num_devices=num_devices, logdir=logdir)
+    backend.shape_sampler = shape_sampler
     loop = backend.loop
     try:
         asyncio.set_event_loop(loop)
         summary = loop.run_until_complete(controller.run())
     finally:
-        asyncio.set_event_loop(None)
-        controller.metrics.close()
-        loop.close()
+        try:  # what the controller left running (e.g. a decoupled ref pass) is cancelled, as asyncio.run does
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        finally:
+            asyncio.set_event_loop(None)
+            controller.metrics.close()
+            loop.close()
     summary.update(sim=backend.stats())
     return summary, controller, backend
 
