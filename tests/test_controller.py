@@ -125,6 +125,21 @@ def test_bad_controller_configs_are_named():
         ControllerConfig(task_kinds=("chess",))
 
 
+def _run_beside(c, fault_injector):
+    """Runs the controller with a fault-injecting coroutine beside it; the controller's summary."""
+    async def main():
+        k = asyncio.create_task(fault_injector)
+        try:
+            return await c.run()
+        finally:
+            k.cancel()
+    return asyncio.run(main())
+
+
+def _dropped(ledger):
+    return sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
+
+
 def test_environment_crashes_are_recovered_and_every_sample_is_accounted_for(tmp_path):
     # real built-in tasks in environment subprocesses (Belayer checkpoints); a killer SIGKILLs a
     # random live environment process every 0.2 s while the run goes on
@@ -156,17 +171,10 @@ def test_environment_crashes_are_recovered_and_every_sample_is_accounted_for(tmp
                 os.kill(victim.worker.pid, signal.SIGKILL)
                 kills.append(victim.worker.pid)
 
-    async def main():
-        k = asyncio.create_task(killer())
-        try:
-            return await c.run()
-        finally:
-            k.cancel()
-    summary = asyncio.run(main())
+    summary = _run_beside(c, killer())
     ledger = summary["ledger"]
     assert summary["steps"] == 3 and len(kills) >= 3
-    dropped = sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
-    assert ledger["admitted"] == ledger["completed"] + dropped + c.unfinished()
+    assert ledger["admitted"] == ledger["completed"] + _dropped(ledger) + c.unfinished()
     assert c.backend.runner.metrics["rewinds"] >= 1  # crashes mid-episode came back by restore
     assert all(np.isfinite(t.reward) for g in c.ready for t in g.trajectories)
 
@@ -190,16 +198,9 @@ def test_engine_worker_killed_mid_run_fails_over_and_the_run_completes(tmp_path)
                 killed.append(client.primary.pid)
                 os.kill(client.primary.pid, signal.SIGKILL)
 
-    async def main():
-        k = asyncio.create_task(killer())
-        try:
-            return await c.run()
-        finally:
-            k.cancel()
-    summary = asyncio.run(main())
+    summary = _run_beside(c, killer())
     ledger = summary["ledger"]
     assert summary["steps"] == 3 and killed and len(client.failovers) >= 1
-    dropped = sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
-    assert dropped == 0 and ledger["admitted"] == ledger["completed"] + c.unfinished()
+    assert _dropped(ledger) == 0 and ledger["admitted"] == ledger["completed"] + c.unfinished()
     with pytest.raises(ConfigError, match="engine_workers"):
         ControllerConfig(mode="tiderl", engine_workers=True)

@@ -466,6 +466,8 @@ class Controller:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, wait: bool = False) -> None:
+        if self.checkpointer is None:
+            return
         meta = dict(step=self.step, version=self.version, cursor=self.cursor, consumed=self.consumed,
                     ready=[dict(gid=g.gid, task=dataclasses.asdict(g.task),
                                 trajectories=[t.to_dict() for t in g.trajectories]) for g in self.ready],
@@ -474,8 +476,6 @@ class Controller:
                                for g in self.in_flight.values()],
                     # samples still running are admitted again on resume: the ledger forgets them
                     ledger=dict(self.ledger, admitted=self.ledger["admitted"] - self.unfinished()))
-        if self.checkpointer is None:
-            return
         self.checkpointer.save(self.step, self.backend.arrays(), meta)
         if wait:
             self.checkpointer.wait()
@@ -564,7 +564,8 @@ class Controller:
     async def shutdown(self) -> None:
         """Stops the rollout side; unfinished samples are abandoned (the checkpoint lists their
         groups, and a resumed run completes them)."""
-        for job in list(self._sample_tasks):
+        jobs = list(self._sample_tasks) + [g.ref_job for g in self.ready if g.ref_job is not None]
+        for job in jobs:
             job.cancel()
-        await asyncio.gather(*self._sample_tasks, return_exceptions=True)
+        await asyncio.gather(*jobs, return_exceptions=True)
         await self.backend.stop()
