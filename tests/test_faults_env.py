@@ -277,3 +277,30 @@ def test_belayer_rule_decides_the_checkpoints():
     # boundary (4 boundaries before the last step, which ends the episode), none of it waited for
     always = run(CheckpointConfig(p_fail=1.0, checkpoint_s_guess=0.0), 0.3)
     assert always["checkpoints"] == 4 and always["checkpoint_wait_s"] < always["checkpoint_s"] + 0.3
+
+
+def test_env_pool_reuses_live_processes_and_drops_dead_ones():
+    from tiderl_jax.faults.env_worker import EnvPool
+    pool = EnvPool(T.TaskEnvFactory(LatencyModel(0.0, 0.0)))
+    task_a, task_b = T.make_task("calculator", 0), T.make_task("lookup", 1)
+
+    async def episode(env, task):
+        await env.reset(task)
+        return await env.step("I do not know")
+
+    first = pool(task_a)
+    result = asyncio.run(episode(first, task_a))
+    pid = first.worker.pid
+    first.close()
+    first.close()  # a second close gives nothing back twice
+    second = pool(task_b)  # the same process, a fresh environment for the new task
+    assert second.worker.pid == pid and pool.created == 1
+    again = asyncio.run(episode(second, task_b))
+    assert "no tool call" in result.observation and "no tool call" in again.observation
+    os.kill(pid, signal.SIGKILL)
+    second.worker._proc.join(5)
+    second.close()  # dead: closed, not returned
+    third = pool(task_a)
+    assert pool.created == 2 and third.worker.pid != pid
+    third.close()
+    pool.close()

@@ -491,3 +491,57 @@ class CheckpointingEnv:
         self._last_obs = obs
         self._last_return = time.perf_counter()
         raise EnvRewound(turn, obs, self.attempts, cause)
+
+
+class EnvPool:
+    """Environment processes reused across tasks: `pool(task)` hands out a `CheckpointingEnv` whose
+    child is already running (its child builds a fresh environment at every `reset`), and the
+    task's `close()` gives it back. No process starts or stops per task, and none on the event
+    loop's thread after the first tasks. A worker that died is closed instead of returned."""
+
+    def __init__(self, make_env: Callable[[Task], Environment] = tasks.make_env,
+                 config: CheckpointConfig = CheckpointConfig(), *, start_method: str = "forkserver"):
+        self.make_env, self.config, self.start_method = make_env, config, start_method
+        self._free: list[CheckpointingEnv] = []
+        self.created = 0
+
+    def __call__(self, task: Task) -> "PooledEnv":
+        if self._free:
+            env = self._free.pop()
+        else:
+            env = CheckpointingEnv(self.make_env, self.config, start_method=self.start_method)
+            self.created += 1
+        return PooledEnv(env, self)
+
+    def give_back(self, env: CheckpointingEnv) -> None:
+        if env.worker.alive():
+            self._free.append(env)
+        else:
+            env.close()
+
+    def close(self) -> None:
+        for env in self._free:
+            env.close()
+        self._free.clear()
+
+
+class PooledEnv:
+    """One task's use of a pooled `CheckpointingEnv` (the Environment protocol, plus `close`)."""
+
+    def __init__(self, env: CheckpointingEnv, pool: EnvPool):
+        self.env, self.pool, self._returned = env, pool, False
+
+    @property
+    def worker(self) -> EnvWorker:
+        return self.env.worker
+
+    async def reset(self, task: Task) -> str | Observation:
+        return await self.env.reset(task)
+
+    async def step(self, action: str) -> StepResult:
+        return await self.env.step(action)
+
+    def close(self) -> None:
+        if not self._returned:
+            self._returned = True
+            self.pool.give_back(self.env)

@@ -150,12 +150,11 @@ class Controller:
         self.latency = latency
         self._make_env = make_env or task_lib.TaskEnvFactory(latency)
         if config.env_workers:
-            from tiderl_jax.faults.env_worker import CheckpointConfig, CheckpointingEnv
+            from tiderl_jax.faults.env_worker import CheckpointConfig, EnvPool
             checkpoint = CheckpointConfig(mode=config.env_checkpoint, p_fail=config.env_p_fail,
                                           max_retries=config.env_max_retries,
                                           step_timeout_s=config.env_step_timeout_s)
-            inner = self._make_env
-            self._make_env = lambda t: CheckpointingEnv(inner, checkpoint)
+            self._make_env = EnvPool(self._make_env, checkpoint)  # processes reused across tasks
         if backend is None:
             if model is None or tokenizer is None or None in (engine_config, rollout_config, trainer_config):
                 raise ConfigError("Controller needs a backend, or a model, a tokenizer and the engine, "
@@ -569,3 +568,5 @@ class Controller:
             job.cancel()
         await asyncio.gather(*jobs, return_exceptions=True)
         await self.backend.stop()
+        if hasattr(self._make_env, "close"):  # an environment process pool
+            self._make_env.close()
