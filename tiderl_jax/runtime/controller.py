@@ -189,7 +189,6 @@ class Controller:
         self.cursor = 0  # next train task index
         self.running = 0  # samples in flight
         self.accepted = 0  # fresh samples accepted into the ready buffer
-        self.discarded = 0  # over-stale samples dropped
         self.syncs_failed = 0
         # every admitted sample ends once: completed (then trained, or still ready at the end) or
         # dropped with its reason (`dropped:<reason>`); `dropped:stale` ones were completed first
@@ -210,6 +209,11 @@ class Controller:
         self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
         self._stop = False
+
+    @property
+    def discarded(self) -> int:
+        """Over-stale samples dropped (the ledger's count)."""
+        return self.ledger["dropped:stale"]
 
     # the JAX backend's parts (launch scripts, tests and benchmarks reach them through the controller)
     @property
@@ -305,7 +309,6 @@ class Controller:
         fresh = [t for t in group.trajectories
                  if t.oldest_version() < 0 or staleness.is_fresh(t.oldest_version(), self.version, eta)]
         dropped = len(group.trajectories) - len(fresh)
-        self.discarded += dropped
         self.ledger["dropped:stale"] += dropped
         group.trajectories = fresh
         if dropped:
