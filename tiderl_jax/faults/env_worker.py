@@ -38,7 +38,6 @@ environment needs the two methods, or runs with checkpoints off (`mode="never"`:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import multiprocessing
@@ -65,11 +64,31 @@ from tiderl_jax.faults.errors import (
 from tiderl_jax.policies import belayer
 
 START_METHODS = ("forkserver", "spawn")
-# Environment calls block a thread while the child works (tool latency included). asyncio's default
-# pool has min(32, cores + 4) threads (6 here), which would serialise the environment waits of
-# every task beyond the sixth; these threads only wait on pipes.
-_CALLS = concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="env-call")
 CHECKPOINT_MODES = ("belayer", "always", "never")
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, conn, sentinel: int, timeout_s: float) -> bool:
+    """True once `conn` has data or the process `sentinel` fires; False after `timeout_s`."""
+    if conn.poll():
+        return True
+    if timeout_s <= 0:
+        return False
+    woke = loop.create_future()
+
+    def wake(value: bool) -> None:
+        if not woke.done():
+            woke.set_result(value)
+
+    fds = (conn.fileno(), sentinel)
+    for fd in fds:
+        loop.add_reader(fd, wake, True)
+    timer = loop.call_later(timeout_s, wake, False)
+    try:
+        return await woke
+    finally:
+        timer.cancel()
+        for fd in fds:
+            loop.remove_reader(fd)
 
 
 class EnvError(RuntimeError):
@@ -259,53 +278,53 @@ class EnvWorker:
 
     # ------------------------------------------------------------------ calls
 
-    def _call_blocking(self, op: str, arg: Any, timeout_s: float) -> Any:
-        proc, conn = self._proc, self._conn
-        if proc is None:
-            raise RuntimeError("EnvWorker is closed")
-        self._seq += 1
-        seq = self._seq
-        try:
-            conn.send((seq, op, arg))
-        except (OSError, EOFError, ValueError):
-            raise self._crashed(op) from None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            ready = multiprocessing.connection.wait([conn, proc.sentinel], max(0.0, left))
-            if not ready:
-                self.kill()
-                raise WorkerTimeout(f"environment {op} took longer than {timeout_s}s; its subprocess "
-                                    f"(pid {proc.pid}) was killed")
-            if not conn.poll():  # only the sentinel: the child ended without answering
-                raise self._crashed(op)
+    async def _call(self, op: str, arg: Any = None, timeout_s: float | None = None) -> Any:
+        """Sends one request and waits for its reply on the event loop itself: the loop watches the
+        pipe and the child's process sentinel, so a reply costs no thread hand-off (on a loaded
+        machine a waiting thread's wake-up and GIL hand-back added milliseconds to every call)."""
+        async with self._lock:
+            proc, conn = self._proc, self._conn
+            if proc is None:
+                raise RuntimeError("EnvWorker is closed")
+            self._seq += 1
+            seq = self._seq
             try:
-                status, reply_seq, payload = conn.recv()
-            except (EOFError, OSError):
+                conn.send((seq, op, arg))
+            except (OSError, EOFError, ValueError):
                 raise self._crashed(op) from None
-            if reply_seq != seq:
-                continue  # the answer to an abandoned call
-            if status == "ok":
-                return payload
-            name, is_snapshot_error, message, tb = payload
-            if is_snapshot_error:
-                raise SnapshotError(message)
-            raise EnvError(f"environment {op} raised {name}: {message}\n--- in the subprocess ---\n{tb}")
+            loop = asyncio.get_running_loop()
+            timeout_s = timeout_s or self.timeout_s
+            deadline = loop.time() + timeout_s
+            while True:
+                try:
+                    ready = await _readable(loop, conn, proc.sentinel, deadline - loop.time())
+                except asyncio.CancelledError:
+                    self.kill()  # the child's state is unknown now; its next call reports a crash
+                    raise
+                if not ready:
+                    self.kill()
+                    raise WorkerTimeout(f"environment {op} took longer than {timeout_s}s; its subprocess "
+                                        f"(pid {proc.pid}) was killed")
+                if not conn.poll():  # only the sentinel: the child ended without answering
+                    raise self._crashed(op)
+                try:
+                    status, reply_seq, payload = conn.recv()
+                except (EOFError, OSError):
+                    raise self._crashed(op) from None
+                if reply_seq != seq:
+                    continue  # the answer to an abandoned call
+                if status == "ok":
+                    return payload
+                name, is_snapshot_error, message, tb = payload
+                if is_snapshot_error:
+                    raise SnapshotError(message)
+                raise EnvError(f"environment {op} raised {name}: {message}\n--- in the subprocess ---\n{tb}")
 
     def _crashed(self, op: str) -> WorkerCrashed:
         proc = self._proc
         proc.join(1)
         return WorkerCrashed(belayer.SANDBOX_CRASH, f"environment subprocess (pid {proc.pid}) ended "
                                                     f"with exit code {proc.exitcode} during {op}")
-
-    async def _call(self, op: str, arg: Any = None, timeout_s: float | None = None) -> Any:
-        async with self._lock:
-            try:
-                return await asyncio.get_running_loop().run_in_executor(
-                    _CALLS, self._call_blocking, op, arg, timeout_s or self.timeout_s)
-            except asyncio.CancelledError:
-                self.kill()  # the child's state is unknown now; its next call reports a crash
-                raise
 
     async def reset(self, task: Task) -> str | Observation:
         return await self._call("reset", task)
