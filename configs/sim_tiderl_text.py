@@ -21,6 +21,8 @@ def get_config():
     c.sizes = (32, 64, 128, 256)  # accelerators; 1024 works too (minutes per mode: see WORKSPACE)
     c.modes = ("sync", "async", "tiderl")
     c.steps = 20  # optimizer updates per run
+    c.bidirl_probes = 5  # async+bidirl: rollout/train splits its static planner simulates
+    c.bidirl_probe_steps = 4  # and steps per probe
     c.seed = 0
     c.timelines = True  # a timeline PNG per mode at the smallest size
     c.controller = ConfigDict({

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tiderl_jax import config as config_lib  # noqa: E402
 from tiderl_jax.model.config import ConfigError  # noqa: E402
+from tiderl_jax.policies import bidirl  # noqa: E402
 from tiderl_jax.runtime.controller import ControllerConfig  # noqa: E402
 from tiderl_jax.sim import backend as sim_backend  # noqa: E402
 from tiderl_jax.sim import costs, workloads  # noqa: E402
@@ -30,21 +31,28 @@ from tiderl_jax.sim import costs, workloads  # noqa: E402
 _CONFIG = config_lib.define_config_flag("configs/sim_tiderl_text.py")
 
 
-def controller_config(cfg, mode: str, size: int, workload: workloads.Workload) -> ControllerConfig:
+def controller_config(cfg, mode: str, size: int, workload: workloads.Workload,
+                      rollout_groups: int | None = None) -> ControllerConfig:
     """The controller's settings for one run: batch scaled with the cluster, the mode's device layout."""
     c = cfg.controller
+    base, _, option = mode.partition("+")
+    if base not in ("sync", "async", "tiderl") or option not in ("", "bidirl"):
+        raise ConfigError(f"mode {mode!r}: one of sync, async, tiderl, optionally with +bidirl")
     groups = size // c.device_group_size
     if groups * c.device_group_size != size or groups < 4:
         raise ConfigError(f"size {size}: needs at least 4 device groups of {c.device_group_size}")
     prompts = max(1, round(workload.prompts_per_step * size / workload.devices))
     batch = prompts * workload.group_size
-    if mode == "tiderl":
+    if base == "tiderl":
         ref, train = max(1, round(groups * c.tiderl_ref)), max(1, round(groups * c.tiderl_train))
+    elif rollout_groups is not None:  # async+bidirl: the static planner's split
+        ref, train = 0, groups - rollout_groups
     else:
         ref, train = 0, max(1, round(groups * c.async_train))
     return ControllerConfig(
-        mode=mode, steps=cfg.steps, groups_per_step=prompts, group_size=workload.group_size,
-        eta=0 if mode == "sync" else c.eta, max_concurrent=c.concurrency_batches * batch,
+        mode=base, bidirl=option == "bidirl", steps=cfg.steps, groups_per_step=prompts,
+        group_size=workload.group_size, eta=0 if base == "sync" else c.eta,
+        max_concurrent=c.concurrency_batches * batch,
         task_kinds=("calculator",), data_seed=cfg.seed,
         device_group_size=c.device_group_size, rollout_groups=groups - ref - train, ref_groups=ref,
         train_groups=train, tensor=cfg.sim.tp, ers_patience=c.ers_patience, ers_cooldown=c.ers_cooldown)
@@ -55,9 +63,60 @@ def sim_config(cfg) -> sim_backend.SimConfig:
                                  efficiency=costs.Efficiency(**cfg.efficiency.to_dict()), **cfg.sim.to_dict())
 
 
+def plan_bidirl(cfg, size: int) -> tuple[int, dict]:
+    """BiDiRL's static planner (`policies.bidirl.plan_partition`) on a time model measured by probes.
+
+    Up to `cfg.bidirl_probes` rollout/train splits (evenly spread over the divisible ones) are each
+    simulated in async mode for `cfg.bidirl_probe_steps` steps. Each probe gives, per step, the
+    train pool's busy seconds (train_time at its size) and the seconds the rollout pool worked
+    (the step time minus its devices' mean waiting: rollout_time at its size). Sizes between probes
+    are interpolated linearly. A model from the probe's totals alone (work / devices) would miss
+    what bounds the rollout here: a batch waits for its longest samples and its environment calls,
+    which no added device shortens. Returns (rollout device groups, what the plan saw)."""
+    workload = workloads.workload(cfg.workload)
+    g = cfg.controller.device_group_size
+    unit = cfg.sim.tp or 1
+    splits = bidirl.candidate_splits(size, g, unit, unit)
+    k = max(1, min(cfg.bidirl_probes, len(splits)))
+    probes = sorted({splits[round(i * (len(splits) - 1) / max(1, k - 1))] for i in range(k)})
+    rollout_at, train_at = {}, {}
+    for d in probes:
+        probe = controller_config(cfg, "async", size, workload, rollout_groups=d // g)
+        probe = dataclasses.replace(probe, steps=cfg.bidirl_probe_steps)
+        summary, controller, _ = sim_backend.run(sim_config(cfg), probe, num_devices=size,
+                                                 logdir=os.path.join(cfg.logdir, f"{size}", f"bidirl_probe_{d}"))
+        steps = max(1, summary["steps"])
+        train_at[size - d] = controller.metrics.busy_s["train"] / steps
+        rollout_at[d] = summary["step_time_s"] - summary["rollout_wait_s"] / d / steps
+    plan = bidirl.plan_partition(size, g, lambda d: _interpolate(rollout_at, d), lambda d: _interpolate(train_at, d),
+                                 rollout_unit=unit, train_unit=unit)
+    seen = dict(probe_rollout_s={str(d): v for d, v in rollout_at.items()},
+                probe_train_s={str(d): v for d, v in train_at.items()},
+                planned_rollout_devices=plan.best.rollout_devices, planned_step_s=plan.best.step_time_s)
+    logging.info("%4d accelerators BiDiRL plan: rollout %d / train %d devices (planned step %.1fs; probes: rollout "
+                 "%s, train %s)", size, plan.best.rollout_devices, plan.best.train_devices, plan.best.step_time_s,
+                 {d: round(v, 1) for d, v in rollout_at.items()}, {d: round(v, 1) for d, v in train_at.items()})
+    return plan.best.rollout_devices // g, seen
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    """Piecewise-linear through the measured points, flat beyond them."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if x <= b:
+            return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
+    return points[xs[-1]]
+
+
 def run_one(cfg, mode: str, size: int) -> tuple[dict, object]:
     workload = workloads.workload(cfg.workload)
-    ccfg = controller_config(cfg, mode, size, workload)
+    plan = {}
+    rollout_groups = None
+    if mode == "async+bidirl":
+        rollout_groups, plan = plan_bidirl(cfg, size)
+    ccfg = controller_config(cfg, mode, size, workload, rollout_groups)
     t0 = time.perf_counter()
     summary, controller, backend = sim_backend.run(sim_config(cfg), ccfg, num_devices=size,
                                                    logdir=os.path.join(cfg.logdir, f"{size}", mode))
@@ -65,10 +124,11 @@ def run_one(cfg, mode: str, size: int) -> tuple[dict, object]:
                goodput_tokens_per_s=summary["goodput_tokens_per_s"],
                goodput_samples_per_s=summary["goodput_samples_per_s"], step_time_s=summary["step_time_s"],
                rollout_wait_s=summary["rollout_wait_s"], trainer_wait_s=summary["trainer_wait_s"],
-               kv_hit_rate=summary["kv_hit_rate"], moves=summary["moves"], discarded=summary["discarded"],
+               kv_hit_rate=summary["kv_hit_rate"], moves=summary["moves"], borrows=summary["borrows"],
+               borrows_refused=summary["borrows_refused"], discarded=summary["discarded"],
                staleness=summary["staleness"], virtual_s=summary["wall_s"],
                sim_wall_s=time.perf_counter() - t0, sim=summary["sim"],
-               layout=dict(rollout=ccfg.rollout_groups, ref=ccfg.ref_groups, train=ccfg.train_groups))
+               layout=dict(rollout=ccfg.rollout_groups, ref=ccfg.ref_groups, train=ccfg.train_groups), **plan)
     logging.info("%4d accelerators %-6s: goodput %.0f tok/s, step %.1fs, waiting rollout %.0f / trainer %.0f "
                  "device-s, KV hit %.3f, %d moves (%.1fs to simulate)", size, mode, row["goodput_tokens_per_s"],
                  row["step_time_s"], row["rollout_wait_s"], row["trainer_wait_s"], row["kv_hit_rate"],

@@ -19,6 +19,14 @@ The modes are settings of this one loop, not code paths:
   pass decoupled on its own devices as groups arrive, or colocated on the train devices once per
   step, by `policies.ra2p` on measured costs) and ERS (one device group moves between rollout and
   train at a step boundary, by `policies.ers`).
+- `bidirl` (an option of async and tiderl; BiDiRL, `policies.bidirl`): within a step, the pool that
+  waits lends its idle devices to the other, only if `bidirl.decide_borrow` predicts a gain above
+  switch-in + switch-out (+ the gradient merge when the trainer borrows). While the trainer waits for
+  data, the rollout may borrow the train devices (returned, switch-out paid, when the batch is
+  ready); while the producer is blocked by the staleness bound, the trainer may borrow the rollout
+  devices that have no task, for one train step. It needs a backend that hot-switches devices
+  (`lend` / `take_back`: the simulator's); the gain model's `scaling` is re-measured after each
+  rollout borrow from the sample arrival rate during it versus before it.
 
 Everything the decisions read is measured here: step times, per-micro-batch actor and ref times,
 ready-at-start counts, arrival gaps, trainer idle time, head-of-line latency.
@@ -44,7 +52,7 @@ from tiderl_jax.agents import tasks as task_lib
 from tiderl_jax.agents.env import LatencyModel, Task
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
-from tiderl_jax.policies import ers, ra2p, staleness
+from tiderl_jax.policies import bidirl, ers, ra2p, staleness
 from tiderl_jax.runtime.metrics import RunMetrics
 from tiderl_jax.runtime.pool import Backend, DevicePool, split_devices
 
@@ -98,6 +106,9 @@ class ControllerConfig:
     env_p_fail: float = 0.05  # probability an environment fails before the next turn boundary
     env_max_retries: int = 3
     env_step_timeout_s: float = 20.0  # below the rollout's env_timeout_s, which would cancel the recovery
+    # BiDiRL borrowing within a step (module docstring; async / tiderl, a backend with `lend`)
+    bidirl: bool = False
+    bidirl_scaling: float = 1.0  # speed a borrowed device adds (fraction of an own one), until measured
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -111,6 +122,11 @@ class ControllerConfig:
         if self.engine_workers and self.mode == "tiderl":
             raise ConfigError("controller.engine_workers serve request-level rollouts (modes sync, async); "
                               "tiderl's CTB keeps KV across tool calls in its own engine")
+        if self.bidirl and self.mode == "sync":
+            raise ConfigError("controller.bidirl borrows between separate rollout and train pools: "
+                              "modes async and tiderl (sync shares one mesh)")
+        if not 0 < self.bidirl_scaling <= 1:
+            raise ConfigError(f"controller.bidirl_scaling={self.bidirl_scaling} must be in (0, 1]")
         if not self.task_kinds or any(k not in task_lib.GENERATORS for k in self.task_kinds):
             raise ConfigError(f"controller.task_kinds={self.task_kinds} must be non-empty, from "
                               f"{sorted(task_lib.GENERATORS)}")
@@ -174,6 +190,9 @@ class Controller:
                                  engine_workers=config.engine_workers and dict(
                                      warmup=config.engine_worker_warmup,
                                      health_threshold=config.engine_worker_health_checks))
+        if config.bidirl and not hasattr(backend, "lend"):
+            raise ConfigError(f"controller.bidirl needs a backend that hot-switches devices between roles "
+                              f"(lend / take_back: sim.backend.SimBackend); {type(backend).__name__} cannot")
         self.backend = backend
         self.clock = backend.clock
         self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=backend.lanes(), clock=self.clock,
@@ -209,6 +228,12 @@ class Controller:
         self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
         self._stop = False
+        # BiDiRL
+        self.borrows: list[dict] = []  # every borrow: step, borrower, devices, predicted gain / cost, seconds
+        self.borrows_refused = 0
+        self.bidirl_scaling = config.bidirl_scaling
+        self._arrivals: collections.deque = collections.deque(maxlen=64)  # (time, samples) of ready groups
+        self._producer_blocked = False  # the staleness bound stops admission until the next version
 
     @property
     def discarded(self) -> int:
@@ -243,8 +268,10 @@ class Controller:
             cap = staleness.capacity(self.cfg.max_concurrent, self.running, self.cfg.staleness.eta,
                                      self.version, self.cfg.batch_samples, self.accepted)
             if cap < G:
+                self._producer_blocked = True
                 self._wake.clear()
                 await self._wake.wait()
+                self._producer_blocked = False
                 continue
             if self.resume_groups:
                 group = self.resume_groups.pop(0)
@@ -286,6 +313,7 @@ class Controller:
         self._drop_stale(group)
         group.arrived = self.clock()
         if group.trajectories:
+            self._arrivals.append((group.arrived, len(group.trajectories)))
             self.accepted += len(group.trajectories)
             if self.backend.has_ref_devices and self.ra2p_mode == ra2p.DECOUPLED:
                 group.ref_job = asyncio.ensure_future(self._score_ref(group))
@@ -337,6 +365,7 @@ class Controller:
             versions = [min((t.oldest_version() for t in g.trajectories), default=-1) for g in self.ready]
             self.ready = collections.deque(self.ready[i] for i in staleness.consumption_order(versions))
         with self.metrics.data_wait():
+            lent = await self._rollout_borrow(batch) if self.cfg.bidirl else None
             while len(batch) < self.cfg.groups_per_step:
                 while not self.ready:
                     self._check_producer()
@@ -348,6 +377,8 @@ class Controller:
                 self.accepted -= self._drop_stale(group)
                 if group.trajectories:
                     batch.append(group)
+            if lent is not None:
+                await self._return_borrowed(lent)
         waited = self.clock() - t0
         gaps = np.diff([t0] + arrivals) if arrivals else []
         if len(gaps):
@@ -378,10 +409,15 @@ class Controller:
         trajs = [t for g in batch for t in g.trajectories]
         if any(g.ref_job is not None for g in batch):  # the trainer waits (idle) for decoupled ref scores
             await asyncio.gather(*(g.ref_job for g in batch if g.ref_job is not None))
+        lent = await self._train_borrow() if self.cfg.bidirl else None
         with self.metrics.span("train", "train"):
             t0 = self.clock()
             out = await self.backend.train(trajs)
             dt = self.clock() - t0
+        if lent is not None:
+            await self._return_borrowed(lent)
+        else:
+            self._timings["train_own"] = dt - out.get("compile_s", 0.0)  # BiDiRL's prediction of a train step
         # steady-state times per micro-batch (one group each), compiles left out: RA2P's signals
         compile_s = out.pop("compile_s", 0.0)
         m = len(batch)
@@ -391,6 +427,76 @@ class Controller:
             if out["time_ref_s"] > 0:  # the ref ran here (colocated)
                 self._timings["t_ref_col"] = out["time_ref_s"] / m
         return out, trajs
+
+    # ------------------------------------------------------------------ BiDiRL borrowing
+
+    def _arrival_rate(self, since: float = -math.inf) -> float | None:
+        """Fresh samples per second over the recent ready groups (arrived after `since`)."""
+        pts = [(t, n) for t, n in self._arrivals if t > since]
+        if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+            return None
+        return sum(n for _, n in pts[1:]) / (pts[-1][0] - pts[0][0])
+
+    async def _borrow(self, signals: bidirl.BorrowSignals):
+        """Asks `bidirl.decide_borrow`; on yes, the backend switches the devices over. Returns what
+        `_return_borrowed` needs, or None."""
+        d = bidirl.decide_borrow(signals)
+        if not d.borrow:
+            self.borrows_refused += 1
+            log.debug("BiDiRL: %s does not borrow (%s; remaining %.2fs)", d.borrower, d.reason, signals.remaining_s)
+            return None
+        t0 = self.clock()
+        await self.backend.lend(d.lender, d.borrower, d.devices)
+        record = dict(step=self.step, borrower=d.borrower, devices=d.devices, predicted_gain_s=d.gain_s,
+                      predicted_cost_s=d.cost_s, remaining_s=signals.remaining_s, start=t0,
+                      switch_in_s=self.clock() - t0, rate_before=self._arrival_rate())
+        log.info("BiDiRL: %s borrows %d %s device(s) (%s)", d.borrower, d.devices, d.lender, d.reason)
+        return record
+
+    async def _return_borrowed(self, record: dict) -> None:
+        t0 = self.clock()
+        await self.backend.take_back()
+        record.update(switch_out_s=self.clock() - t0, held_s=t0 - record["start"])
+        if record["borrower"] == bidirl.ROLLOUT:  # measure what the borrowed devices added
+            during, before = self._arrival_rate(since=record["start"] + record["switch_in_s"]), record["rate_before"]
+            if during is not None and before:
+                own = len(self.pool.devices_of("rollout"))
+                k = during / before - 1.0
+                self.bidirl_scaling = min(1.0, max(0.01, k * own / record["devices"]))
+                record["measured_scaling"] = self.bidirl_scaling
+        self.borrows.append(record)
+
+    async def _rollout_borrow(self, batch: list):
+        """The trainer is about to wait for data: the rollout may borrow the train devices until the
+        batch is ready (the predicted wait: samples missing / recent arrival rate)."""
+        have = sum(len(g.trajectories) for g in list(self.ready) + batch)
+        missing = self.cfg.batch_samples - have
+        rate = self._arrival_rate()
+        if missing <= 0 or not rate or self.pool is None:
+            return None
+        costs = self.backend.switch_costs(bidirl.TRAIN, bidirl.ROLLOUT)
+        remaining = missing / rate
+        return await self._borrow(bidirl.BorrowSignals(
+            borrower=bidirl.ROLLOUT, remaining_s=remaining, own_devices=len(self.pool.devices_of("rollout")),
+            idle_devices=len(self.pool.devices_of("train")), idle_for_s=remaining,
+            switch_in_s=costs["switch_in_s"], switch_out_s=costs["switch_out_s"],
+            borrower_unit=self.backend.borrow_unit(bidirl.ROLLOUT), scaling=self.bidirl_scaling))
+
+    async def _train_borrow(self):
+        """The trainer may borrow rollout devices that have no task while admission is blocked by the
+        staleness bound (they stay idle until this step's version is published)."""
+        remaining = self._timings.get("train_own", 0.0)
+        if not self._producer_blocked or remaining <= 0 or self.pool is None:
+            return None
+        idle = self.backend.idle_devices(bidirl.ROLLOUT)
+        if idle <= 0:
+            return None
+        costs = self.backend.switch_costs(bidirl.ROLLOUT, bidirl.TRAIN)
+        return await self._borrow(bidirl.BorrowSignals(
+            borrower=bidirl.TRAIN, remaining_s=remaining, own_devices=len(self.pool.devices_of("train")),
+            idle_devices=idle, idle_for_s=math.inf, switch_in_s=costs["switch_in_s"],
+            switch_out_s=costs["switch_out_s"], merge_s=costs["merge_s"],
+            borrower_unit=self.backend.borrow_unit(bidirl.TRAIN), scaling=1.0))
 
     async def _publish(self, version: int):
         with self.metrics.span("train", "sync"):
@@ -560,6 +666,7 @@ class Controller:
         s = self.metrics.summary()
         s.update(mode=self.cfg.mode, kv_hit_rate=self.backend.kv_hit_rate(),
                  discarded=self.discarded, moves=len(self.moves), ers_refused=self.ers_refused,
+                 borrows=len(self.borrows), borrows_refused=self.borrows_refused,
                  syncs_failed=self.syncs_failed, ledger=dict(self.ledger))
         return s
 

@@ -61,6 +61,20 @@ What is modelled (all parameters in `SimConfig`, each a documented default):
   decode events already in flight finish on the old weights (token versions recorded per event).
 - **Moves** (`switch_time`: `switch_fixed_s` plus the role's state: bf16 weights for rollout, plus
   `optimizer_bytes_per_param` for train, arriving on the moved group's devices).
+- **BiDiRL borrowing** (`lend` / `take_back`, the controller's `bidirl` option): a hot switch of idle
+  devices for part of a step (`switch_costs`, ours after BiDiRL's divisible layouts, where both roles'
+  programs are resident on every pool):
+  - the rollout borrows train devices while the trainer waits for data: switch-in offloads the
+    trainer's optimizer state from them (`switch_time` of those bytes), then `tp`-device replicas
+    serve on them and take over queued work that has no KV yet from the most loaded replicas
+    (`_rebalance`); giving them back drops what they run (their tasks continue elsewhere without
+    KV) and reloads the optimizer state;
+  - the trainer borrows rollout replicas that have no task while admission is blocked: switch-in
+    loads weights and optimizer state onto them, the train step runs on the extra devices and pays
+    a gradient all-reduce across them (`merge_s`: 2 x bf16 gradients over the link), switch-out
+    brings the weights back; the replicas return empty.
+  Busy device-seconds go to the lane that owns the devices (borrowed replicas' events to the train
+  lane, a borrowed train step to the rollout lane).
 
 **Measured costs** (`SimConfig.measured`, `costs.MeasuredCosts`; benchmarks/sim_validation.py): per-op
 times measured on a host replace the roofline (no scaling with device counts: fake devices that share
@@ -214,6 +228,7 @@ class _Replica:
         self.live = 0  # tasks placed here and not finished
         self.prompts: dict[int, list] = {}  # gid -> [version written, samples here holding it]
         self.alive = True
+        self.borrowed = False  # BiDiRL: serving on borrowed train devices
         self.busy = False  # an event in flight
         self.kicked = False  # a start is queued on the event heap
         self.event = (0.0, 0.0, 0.0, 0)  # the event in flight: (start, prefill seconds, decode step seconds, K)
@@ -292,6 +307,12 @@ class SimBackend:
         self._armed: asyncio.TimerHandle | None = None
         self._armed_at = 0.0
         self._driving = False
+        # BiDiRL: train-device slices serving as rollout replicas; rollout replicas lent to the trainer
+        self._borrowed: list[tuple] = []
+        self._lent: set[tuple] = set()
+        self._train_extra = 0  # devices the trainer borrowed
+        self._parked: list[_Seq] = []  # tasks that arrived while no replica served
+        self._switch_out_s = 0.0
 
     @classmethod
     def for_controller(cls, config: SimConfig, controller_config, num_devices: int) -> "SimBackend":
@@ -429,7 +450,7 @@ class SimBackend:
 
     async def train(self, trajectories: Sequence[Trajectory]) -> dict:
         tokens, seq_len = _tokens(trajectories)
-        n = len(self._devices("train"))
+        n = len(self._devices("train")) + self._train_extra
         m = self.measured
         if m is None:
             proximal = costs.score_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
@@ -439,7 +460,12 @@ class SimBackend:
             update = m.update_fixed_s + m.update_per_token_s * tokens
         has_ref = bool(trajectories) and all(t.info.get("ref_logp") is not None for t in trajectories)
         ref = 0.0 if has_ref else proximal
+        if self._train_extra:  # borrowed replicas merge their gradients
+            update += self.switch_costs("rollout", "train")["merge_s"]
+        t0 = self.loop.time()
         await self._host_work(proximal + ref + update)
+        if self._train_extra and self.metrics is not None:  # the borrowed rollout devices were busy
+            self.metrics.busy_device_s["rollout"] += (self.loop.time() - t0) * self._train_extra
         return dict(tokens=float(sum(t.model_tokens for t in trajectories)), reward=0.0, loss=0.0,
                     time_proximal_s=proximal, time_ref_s=ref, time_update_s=update, compile_s=0.0)
 
@@ -464,6 +490,117 @@ class SimBackend:
         await asyncio.sleep(seconds)
         if to_role == "rollout":
             self._rebuild()  # new replicas serve once the weights are there
+
+    # ---------------------------------------------------------------- BiDiRL borrowing
+
+    def borrow_unit(self, role: str) -> int:
+        """Devices per unit of `role` a borrow moves: a rollout replica, a trainer device group."""
+        if role == "rollout":
+            return self.cfg.tp or len(self._devices("rollout"))
+        return self.cfg.tp or 1
+
+    def switch_costs(self, lender: str, borrower: str) -> dict[str, float]:
+        """Seconds of a BiDiRL hot switch of one borrower unit (module docstring)."""
+        opt = self.shape.params * self.cfg.optimizer_bytes_per_param
+        unit = self.borrow_unit(borrower)
+        span = self.num_devices
+        if self.measured is not None:
+            return dict(switch_in_s=self.measured.switch_s, switch_out_s=self.measured.switch_s, merge_s=0.0)
+        def t(state):
+            return costs.switch_time(state, self.hw, devices=unit, span_devices=span, fixed_s=self.cfg.switch_fixed_s)
+        if borrower == "rollout":
+            return dict(switch_in_s=t(opt), switch_out_s=t(opt), merge_s=0.0)
+        merge = costs.transfer_time(2 * 2.0 * self.shape.params, self.hw.link_bandwidth(span),
+                                    streams=max(1, unit))
+        return dict(switch_in_s=t(self.shape.param_bytes + opt), switch_out_s=t(self.shape.param_bytes),
+                    merge_s=merge)
+
+    def idle_devices(self, role: str) -> int:
+        """Rollout devices whose replica has no task (placed, running, waiting or queued)."""
+        if role != "rollout" or self.pool is None:
+            return 0
+        return sum(len(k) for k, r in self.replicas.items() if r.live == 0 and not r.busy and not r.borrowed)
+
+    async def lend(self, lender: str, borrower: str, devices: int) -> None:
+        """Switches `devices` idle devices of `lender` to `borrower` until `take_back`."""
+        if self._borrowed or self._lent:
+            raise RuntimeError("SimBackend.lend: devices are already lent (take_back first)")
+        costs_ = self.switch_costs(lender, borrower)
+        unit = self.borrow_unit(borrower)
+        if lender == "train" and borrower == "rollout":
+            devs = self._devices("train")[:devices]
+            await asyncio.sleep(costs_["switch_in_s"])
+            self._borrowed = [tuple(devs[i:i + unit]) for i in range(0, len(devs) - unit + 1, unit)]
+            self._rebuild()
+            self._rebalance([self.replicas[k] for k in self._borrowed])
+        elif lender == "rollout" and borrower == "train":
+            idle = [k for k, r in self.replicas.items() if r.live == 0 and not r.busy and not r.borrowed]
+            chosen, n = [], 0
+            for k in idle:
+                if n + len(k) > devices:
+                    break
+                chosen.append(k)
+                n += len(k)
+            self._lent = set(chosen)
+            self._rebuild()  # they stop serving now
+            await asyncio.sleep(costs_["switch_in_s"])
+            self._train_extra = n
+        else:
+            raise ValueError(f"SimBackend.lend: cannot lend {lender} devices to {borrower}")
+        self._switch_out_s = costs_["switch_out_s"]
+
+    async def take_back(self) -> None:
+        """Ends the borrow: each device back in its own role after the switch-out."""
+        if self._borrowed:
+            self._borrowed = []
+            self._rebuild()  # what they ran continues elsewhere, without its KV
+            await asyncio.sleep(self._switch_out_s)
+        elif self._lent:
+            self._train_extra = 0
+            await asyncio.sleep(self._switch_out_s)
+            self._lent = set()
+            self._rebuild()
+
+    def _rebalance(self, targets: list) -> None:
+        """New replicas take queued tasks that hold no KV (tails first) from replicas above the mean load."""
+        if not targets:
+            return
+        share = sum(r.live for r in self.replicas.values()) // len(self.replicas)
+        movable = []
+        for r in sorted(self.replicas.values(), key=lambda r: -r.live):
+            if r.borrowed or r.live <= share:
+                continue
+            excess = r.live - share
+            for q in (r.pending, r.queue):
+                for s in reversed(list(q)):
+                    if excess <= 0:
+                        break
+                    if s.pinned or s.kv_pages or s.run >= 0:
+                        continue
+                    q.remove(s)
+                    entry = r.cache.pop(s, None)
+                    if entry is not None:
+                        r.cache_pages -= entry[0]
+                    if s.admitted:
+                        r.footprints -= s.footprint
+                    self._set_live(r, -1)
+                    movable.append(s)
+                    excess -= 1
+        i = 0
+        for s in movable:
+            for _ in range(len(targets)):
+                t = targets[i % len(targets)]
+                i += 1
+                if t.live < share:
+                    break
+            else:
+                t = targets[i % len(targets)]
+            s.replica = t
+            self._set_live(t, +1)
+            if s.admitted:
+                t.footprints += s.footprint
+            self.counters["moved_tasks"] += 1
+            self._enqueue(t, s)
 
     def compile_s(self) -> float:
         return 0.0
@@ -492,6 +629,7 @@ class SimBackend:
         tp = self.cfg.tp or len(devs)
         self._replica_devices = tp
         wanted = [tuple(devs[i:i + tp]) for i in range(0, len(devs) - tp + 1, tp)]
+        wanted = [k for k in wanted if k not in self._lent] + list(self._borrowed)  # BiDiRL
         orphans: list[_Seq] = []
         for key in [k for k in self.replicas if k not in set(wanted)]:
             r = self.replicas.pop(key)
@@ -510,6 +648,7 @@ class SimBackend:
             if key not in self.replicas:
                 r = _Replica(self._rid, key, self.capacity)
                 r.version = self.version
+                r.borrowed = key in self._borrowed
                 self._rid += 1
                 self.replicas[key] = r
                 heapq.heappush(self._load, (0, r.rid, r))
@@ -517,6 +656,10 @@ class SimBackend:
             self.counters["moved_tasks"] += 1
             s.replica = None
             self._place(s)
+        if self.replicas and self._parked:
+            parked, self._parked = self._parked, []
+            for s in parked:
+                self._place(s)
 
     def _pick(self) -> _Replica:
         """The alive replica with the fewest live tasks (lowest id on ties), from a lazy heap."""
@@ -534,6 +677,10 @@ class SimBackend:
             heapq.heappush(self._load, (r.live, r.rid, r))
 
     def _place(self, seq: _Seq) -> None:
+        if not self.replicas:  # every rollout replica is lent out (BiDiRL): it waits for their return
+            seq.replica = None
+            self._parked.append(seq)
+            return
         r = self._pick()
         seq.replica = r
         self._set_live(r, +1)
@@ -909,9 +1056,12 @@ class SimBackend:
         self._busy_replicas -= 1
         m = self.metrics
         if m is not None and not self._shared:
-            n = self._rollout_devices or 1
-            m.busy_device_s["rollout"] += seconds * self._replica_devices
-            m.busy_s["rollout"] += seconds * self._replica_devices / n
+            if r.borrowed:  # train devices doing rollout work: the train lane's busy time
+                m.busy_device_s["train"] += seconds * self._replica_devices
+            else:
+                n = self._rollout_devices or 1
+                m.busy_device_s["rollout"] += seconds * self._replica_devices
+                m.busy_s["rollout"] += seconds * self._replica_devices / n
         if self._busy_replicas == 0:
             if self._flip is not None:
                 self._rollout_flipped()
