@@ -19,7 +19,7 @@ def get_config():
     c.workload = "tiderl-text-7b"
     c.accelerator = ""  # "" = the workload's
     c.sizes = (32, 64, 128, 256)  # accelerators; 1024 works too (minutes per mode: see WORKSPACE)
-    c.modes = ("sync", "async", "tiderl")
+    c.modes = ("sync", "async", "tiderl", "tiderl+bidirl")
     c.steps = 20  # optimizer updates per run
     c.bidirl_probes = 5  # async+bidirl: rollout/train splits its static planner simulates
     c.bidirl_probe_steps = 4  # and steps per probe

@@ -2,6 +2,7 @@
 mesh, ERS moves devices, RA2P chooses, and a run resumes from its checkpoint."""
 
 import asyncio
+import json
 
 import jax
 import numpy as np
@@ -81,6 +82,27 @@ def test_ers_moves_devices_and_results_stay_right(tmp_path):
     for a, b in zip(jax.tree.leaves(c.engine.runner.params), jax.tree.leaves(c.trainer.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert summary["steps"] == 3 and max(summary["staleness"]) <= c.cfg.staleness.eta
+
+
+def test_a_ref_group_moved_to_rollout_leaves_the_ref_pass_colocated(tmp_path, monkeypatch):
+    # ERS's generation deficit gives the ref group first (policies/ers.py); on the real backend the
+    # engine grows onto its devices, the scorer goes, and the train step scores the ref itself
+    from tiderl_jax.policies import ers
+    moves = [ers.Move("ref", "rollout", "colocated", "generation deficit")]
+    monkeypatch.setattr(ers, "decide", lambda *a, **k: (moves.pop() if moves else None, ers.ERSHistory()))
+    c = _controller(tmp_path, "tiderl", steps=3)
+    train_devices = set(jax.tree.leaves(c.trainer.params)[0].sharding.device_set)
+    summary = asyncio.run(c.run())
+    assert summary["steps"] == 3 and summary["moves"] == 1 and c.moves[0]["frm"] == "ref"
+    assert c.backend.ref_scorer is None and not c.backend.has_ref_devices
+    assert c.pool.num_groups("rollout") == 3 and c.pool.num_groups("ref") == 0
+    rollout = set(c.pool.devices_of("rollout"))
+    assert set(jax.tree.leaves(c.engine.runner.params)[0].sharding.device_set) == rollout
+    assert set(jax.tree.leaves(c.trainer.params)[0].sharding.device_set) == train_devices  # not moved
+    for a, b in zip(jax.tree.leaves(c.engine.runner.params), jax.tree.leaves(c.trainer.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    last = [json.loads(x) for x in open(tmp_path / "tiderl" / "metrics.jsonl")][-1]
+    assert last["time_ref_s"] > 0  # the last step scored the ref on the train devices
 
 
 class BrokenEnv(ParityEnv):

@@ -325,3 +325,35 @@ def test_mode_names_match_ra2p():
 def test_ers_rejects_bad_input_by_name(make, field):
     with pytest.raises(ValueError, match=field):
         make()
+
+
+def test_generation_deficit_gives_a_ref_group_first():
+    # MECHANISMS.md §1c: "move one device group from ref/train to rollout"; colocated from then on,
+    # so the ref devices are the ones that would idle
+    move, history = decide(_ers(**STARVED, ref_groups=1), ERSHistory(), ONE_STEP)
+    assert move == Move("ref", "rollout", "colocated", "generation deficit")
+    # with the train role at its minimum, the ref group still moves
+    move, _ = decide(_ers(**STARVED, ref_groups=1, train_groups=1), ERSHistory(), ONE_STEP)
+    assert move is not None and move.from_role == "ref"
+    # a consumption deficit still feeds the trainer
+    move, _ = decide(_ers(**BACKLOG, ref_groups=1), ERSHistory(), ONE_STEP)
+    assert move == Move("rollout", "train", "decoupled", "consumption deficit")
+    # right after a move to train, giving a ref group to rollout is the reverse direction: cooldown
+    config = ERSConfig(patience=1, cooldown=2)
+    assert decide(_ers(**STARVED, ref_groups=1), ERSHistory(last_move_to="train"), config)[0] is None
+
+
+def test_moving_the_last_ref_group_costs_the_trainer_the_ref_pass():
+    # trainer computes 6 s and idles 4 s (R = 10), rollout computes 6 s on 2 groups, the ref pass
+    # 2 s on its one group. The last ref group to rollout: t' = 6 + 2 * speed(1) / speed(2) = 7,
+    # R' = 10 - 6 + 6 * 2/3 = 8: gain 10 - 8 = 2 s a step. With two ref groups the trainer keeps t.
+    e = _econ(train_busy_s=6.0, rollout_busy_s=6.0, ref_busy_s=2.0)
+    one = _ers(**STARVED, ref_groups=1)
+    assert ers.move_gain(one, e, "rollout", "ref") == pytest.approx(2.0)
+    slow_ref = _econ(train_busy_s=6.0, rollout_busy_s=6.0, ref_busy_s=12.0)  # t' = 12 > R: a loss
+    assert ers.move_gain(one, slow_ref, "rollout", "ref") == pytest.approx(-2.0)
+    assert ers.move_gain(_ers(**STARVED, ref_groups=2), slow_ref, "rollout", "ref") == pytest.approx(2.0)
+    move, _ = decide(one, ERSHistory(), ONE_STEP, slow_ref)
+    assert move is None
+    move, _ = decide(one, ERSHistory(), ONE_STEP, e)
+    assert move.from_role == "ref" and move.gain_s == pytest.approx(20.0)

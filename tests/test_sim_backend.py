@@ -78,15 +78,16 @@ def test_ers_moves_a_group(tmp_path):
     # the trainer holds two groups and waits for the rollout's one: a generation deficit
     summary, controller, backend = _run(tmp_path, "tiderl", steps=6, ers_economics=False, ers_patience=1,
                                         ers_cooldown=0, rollout_groups=1, train_groups=2)
-    assert summary["moves"] >= 1 and controller.moves
-    first = controller.moves[0]
-    assert (first["frm"], first["to"]) == ("train", "rollout")
+    assert summary["moves"] >= 2 and controller.moves
+    # the ref group goes first (colocated from then on), then a train group
+    assert [(m["frm"], m["to"]) for m in controller.moves[:2]] == [("ref", "rollout"), ("train", "rollout")]
     groups = {"rollout": 1, "ref": 1, "train": 2}
-    groups[first["frm"]] -= 1
-    groups[first["to"]] += 1
-    assert first["seconds"] > 0
-    if len(controller.moves) == 1:
-        assert {r: backend.pool.num_groups(r) for r in groups} == groups
+    for m in controller.moves:
+        groups[m["frm"]] -= 1
+        groups[m["to"]] += 1
+        assert m["seconds"] > 0
+    assert {r: backend.pool.num_groups(r) for r in groups} == groups
+    assert not backend.has_ref_devices
     assert len(backend.replicas) == len(backend.pool.devices_of("rollout"))  # tp = 1
     assert summary["steps"] == 6
 

@@ -3,11 +3,14 @@
 TideRL, MECHANISMS.md §1c. A static split cannot follow a bottleneck that flips between generation
 (the trainer starves) and consumption (the ready backlog grows). `decide` is evaluated once per
 step boundary (after the actor update, before the weight sync) and returns at most one `Move`, so
-at most one group moves per step. Roles: `rollout`, and `train` (which holds the ref as well).
+at most one group moves per step. Roles: `rollout`, `ref` (the reference model's own devices, for
+RA2P's decoupled mode; may be empty) and `train` (the actor, and the ref when it is colocated).
 
 Rule (the paper's, with the thresholds and hysteresis ours, all in `ERSConfig`):
 - **generation deficit**: ready volume below the ideal batch *and* the trainer idle for more than
-  `idle_fraction` of the step -> one group train -> rollout, RA2P switches to colocated.
+  `idle_fraction` of the step -> one group ref/train -> rollout, RA2P switches to colocated: a ref
+  group first (colocated, the ref pass runs on the train devices, so the ref devices are the ones
+  that would idle), a train group once no ref group is left.
 - **consumption deficit**: head-of-line latency above `hol_fraction` of the step time, or RAS above
   RA2P's break-even RAS -> one group rollout -> train, RA2P switches to decoupled.
   A generation deficit takes precedence (ours): a trainer that idled is not the bottleneck, even if
@@ -38,7 +41,8 @@ from __future__ import annotations
 import dataclasses
 
 ROLLOUT = "rollout"
-TRAIN = "train"  # the train group, holding the actor and the ref
+REF = "ref"  # the reference model's own groups (RA2P decoupled)
+TRAIN = "train"  # the actor's groups (and the ref's, colocated)
 PHASES = ("cold_start", "train", "eval")
 RA2P_MODE_AFTER_MOVE_TO = {ROLLOUT: "colocated", TRAIN: "decoupled"}  # ra2p.COLOCATED / DECOUPLED
 
@@ -71,14 +75,15 @@ class ERSSignals:
     ras: float  # ready-at-start micro-batches of the last step
     break_even_ras: float  # RAS above which RA2P's decoupled mode pays (math.inf: never)
     rollout_groups: int  # device groups the rollout role holds now
-    train_groups: int  # device groups the train role (actor + ref) holds now
+    train_groups: int  # device groups the train role (actor, colocated ref) holds now
     phase: str = "train"  # one of PHASES
+    ref_groups: int = 0  # device groups the ref role holds now (decoupled ref)
 
     def __post_init__(self):
         if self.phase not in PHASES:
             raise ValueError(f"ERS signal phase={self.phase!r} is not one of {PHASES}")
         for name in ("ready_volume", "ideal_batch", "trainer_idle_s", "hol_latency_s", "step_time_s",
-                     "ras", "break_even_ras", "rollout_groups", "train_groups"):
+                     "ras", "break_even_ras", "rollout_groups", "train_groups", "ref_groups"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ERS signal {name}={getattr(self, name)} must be >= 0")
 
@@ -91,9 +96,10 @@ class MoveEconomics:
     move_cost_s: float  # predicted seconds of one move: reshard + recompiling on the new meshes
     horizon_steps: int  # steps left in which a move's gain accrues
     scaling: float = 1.0  # speed one more group adds to a role, as a fraction of linear scaling
+    ref_busy_s: float = 0.0  # seconds the ref role computed on its own groups during the last step
 
     def __post_init__(self):
-        for name in ("train_busy_s", "rollout_busy_s", "move_cost_s", "horizon_steps"):
+        for name in ("train_busy_s", "rollout_busy_s", "move_cost_s", "horizon_steps", "ref_busy_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ERS economics {name}={getattr(self, name)} must be >= 0")
         if not 0.0 <= self.scaling <= 1.0:
@@ -124,8 +130,9 @@ def _speed(groups: int, scaling: float) -> float:
     return 1.0 + scaling * (groups - 1)
 
 
-def move_gain(s: ERSSignals, e: MoveEconomics, to_role: str) -> float:
-    """Predicted seconds saved per step by moving one group to `to_role` (negative: a loss).
+def move_gain(s: ERSSignals, e: MoveEconomics, to_role: str, from_role: str | None = None) -> float:
+    """Predicted seconds saved per step by moving one group from `from_role` to `to_role` (negative: a
+    loss); `from_role` defaults to the other of rollout and train.
 
     The step is bounded by the trainer's compute `t` and by the rollout's production time `R`
     (`t + idle` when the trainer idled for data, else at least the rollout's compute `r`); only the
@@ -135,8 +142,21 @@ def move_gain(s: ERSSignals, e: MoveEconomics, to_role: str) -> float:
         gain = max(t, R) - max(t', R - r + r')
 
     with n, m the train and rollout groups now and speed(k) = 1 + scaling * (k - 1).
+
+    A ref group moving to rollout leaves the trainer's groups as they are; when it is the last one,
+    the ref pass (`ref_busy_s` on the f ref groups) runs colocated on the train groups from then on:
+    t' = t + ref_busy_s * speed(f) / speed(n). With ref groups left, the ref pass stays off the
+    trainer's devices (t' = t; its slower pipeline is not modelled).
     """
     n, m, c = s.train_groups, s.rollout_groups, e.scaling
+    if from_role == REF:
+        if to_role != ROLLOUT or s.ref_groups < 1:
+            return -float("inf")
+        t, r = e.train_busy_s, e.rollout_busy_s
+        t_new = t + (e.ref_busy_s * _speed(s.ref_groups, c) / _speed(n, c) if s.ref_groups == 1 else 0.0)
+        r_new = r * _speed(m, c) / _speed(m + 1, c)
+        production = t + s.trainer_idle_s if s.trainer_idle_s > 0 else r
+        return max(t, production) - max(t_new, production - r + r_new)
     dn = 1 if to_role == TRAIN else -1
     if n + dn < 1 or m - dn < 1:
         return -float("inf")
@@ -197,14 +217,19 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig 
     else:
         return None, history
     from_role = TRAIN if to_role == ROLLOUT else ROLLOUT
+    if to_role == ROLLOUT and s.ref_groups > 0:
+        from_role = REF  # colocated from now on: the ref devices are the idle ones
+    groups[REF], minimum[REF] = s.ref_groups, 0
     reversal = history.last_move_to == from_role and history.boundaries_since_move <= config.cooldown
+    if from_role == REF:
+        reversal = history.last_move_to == TRAIN and history.boundaries_since_move <= config.cooldown
     if groups[from_role] <= minimum[from_role]:
         return None, dataclasses.replace(history, refused=f"{reason}: {from_role} at its minimum")
     if reversal and s.phase == "train":
         return None, dataclasses.replace(history, refused=f"{reason}: reverse move within the cooldown")
     gain = cost = None
     if economics is not None and s.phase == "train":
-        gain = move_gain(s, economics, to_role) * economics.horizon_steps
+        gain = move_gain(s, economics, to_role, from_role) * economics.horizon_steps
         cost = economics.move_cost_s
         if not gain > cost:
             return None, dataclasses.replace(

@@ -121,10 +121,21 @@ class JaxBackend:
         return (await self.runner.command(swap)).ok
 
     async def move(self, from_role: str, to_role: str) -> None:
+        """One device group changes role; only the parts whose devices changed move (the trainer
+        reshards, the engine rebuilds on its new mesh, the reference scorer moves to its new mesh or,
+        with no ref group left, goes: the ref pass then runs colocated in the train step)."""
         self.pool = self.pool.moved(from_role, to_role)
-        await asyncio.to_thread(self.trainer.move_to, self.pool.mesh("train"))
-        engine_model = model_on(self.trainer.graphdef, self.trainer.params, self.pool.mesh("rollout"), self.rules)
-        await self.runner.command(lambda: self.engine.move_to(engine_model))
+        changed = {from_role, to_role}
+        if "train" in changed:
+            await asyncio.to_thread(self.trainer.move_to, self.pool.mesh("train"))
+        if "ref" in changed:
+            ref_mesh = self.pool.mesh("ref")
+            self.ref_scorer = None if ref_mesh is None else await asyncio.to_thread(
+                lambda: Scorer(model_on(self.trainer.graphdef, self.trainer.ref_params, ref_mesh, self.rules),
+                               self.trainer.config, mesh=ref_mesh, rules=self.rules))
+        if "rollout" in changed:
+            engine_model = model_on(self.trainer.graphdef, self.trainer.params, self.pool.mesh("rollout"), self.rules)
+            await self.runner.command(lambda: self.engine.move_to(engine_model))
 
     def compile_s(self) -> float:
         return self.engine.compile_s + self.trainer.compile_s

@@ -224,6 +224,7 @@ class Controller:
         self.ers_refused = 0  # boundaries where a deficit wanted a move that did not happen
         self._timings = dict(t_act=None, t_ref_col=None, t_ref_dec=None, tprm=None, train_busy=0.0)
         self._rollout_busy_mark = 0.0  # the rollout lane's busy seconds at the last step boundary
+        self._ref_busy_mark = 0.0  # and the ref lane's
         self.ers_scaling = config.ers_scaling  # measured after the first move that changes the trainer
         self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
@@ -515,7 +516,8 @@ class Controller:
         (a new mesh needs those programs again); the scaling measured on the last move that changed
         the trainer (`ers_scaling` before any)."""
         rollout_busy = self.metrics.busy_s["rollout"] - self._rollout_busy_mark
-        self._rollout_busy_mark = self.metrics.busy_s["rollout"]
+        ref_busy = self.metrics.busy_s["ref"] - self._ref_busy_mark
+        self._rollout_busy_mark, self._ref_busy_mark = self.metrics.busy_s["rollout"], self.metrics.busy_s["ref"]
         probe, train_busy = self._scaling_probe, self._timings["train_busy"]
         if probe is not None:  # the first step on the new layout: measure what the move did
             self._scaling_probe = None
@@ -529,7 +531,8 @@ class Controller:
                          self.ers_scaling, self._move_cost)
         cost = self._move_cost if self._move_cost is not None else self._compile_seconds()
         return ers.MoveEconomics(train_busy_s=train_busy, rollout_busy_s=rollout_busy, move_cost_s=cost,
-                                 horizon_steps=self.cfg.steps - self.step, scaling=self.ers_scaling)
+                                 horizon_steps=self.cfg.steps - self.step, scaling=self.ers_scaling,
+                                 ref_busy_s=ref_busy)
 
     async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float, tokens: int):
         if self.cfg.mode != "tiderl":
@@ -539,7 +542,7 @@ class Controller:
             ready_volume=sum(len(g.trajectories) for g in self.ready), ideal_batch=self.cfg.batch_samples,
             trainer_idle_s=waited, hol_latency_s=hol, step_time_s=step_time, ras=ras,
             break_even_ras=math.inf, rollout_groups=self.pool.num_groups("rollout"),
-            train_groups=self.pool.num_groups("train"))
+            train_groups=self.pool.num_groups("train"), ref_groups=self.pool.num_groups("ref"))
         move, self.ers_history = ers.decide(signals, self.ers_history,
                                             ers.ERSConfig(patience=self.cfg.ers_patience,
                                                           cooldown=self.cfg.ers_cooldown),
@@ -553,7 +556,7 @@ class Controller:
         groups_before = self.pool.num_groups("train")
         with self.metrics.span("train", "move"):
             await self.backend.move(move.from_role, move.to_role)
-        for lane in ("rollout", "train"):
+        for lane in ("rollout", "ref", "train"):
             self.metrics.set_devices(lane, len(self.pool.devices_of(lane)))
         self.ra2p_mode = move.ra2p_mode
         seconds = self.clock() - t0

@@ -388,7 +388,9 @@ class SimBackend:
         async with self._ref_lock:
             m = self.measured
             if m is None:
-                seconds = costs.score_time(self.shape, self.hw, tokens, devices=len(self._devices("ref")),
+                # a job queued across an ERS move that took the last ref group runs on the train devices
+                devices = len(self._devices("ref")) or len(self._devices("train"))
+                seconds = costs.score_time(self.shape, self.hw, tokens, devices=devices,
                                            seq_len=seq_len, eff=self.eff)
             else:
                 seconds = m.ref_fixed_s + m.ref_per_token_s * tokens
