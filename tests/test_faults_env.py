@@ -304,3 +304,26 @@ def test_env_pool_reuses_live_processes_and_drops_dead_ones():
     assert pool.created == 2 and third.worker.pid != pid
     third.close()
     pool.close()
+
+
+def test_env_pool_prestart_and_pushed_snapshots():
+    from tiderl_jax.faults.env_worker import EnvPool
+    pool = EnvPool(T.TaskEnvFactory(LatencyModel(0.0, 0.0)), CheckpointConfig(mode="always"))
+    pool.prestart(2)
+    assert pool.created == 2 and len(pool._free) == 2
+    env = pool(T.make_task("calculator", 0))
+    assert pool.created == 2  # a started process, no new one
+    task = T.make_task("calculator", 0)
+
+    async def go():
+        await env.reset(task)
+        await env.step("<tool_call>{not json</tool_call>")
+        assert env.env.snapshot is None  # asked for; the child pushes it after its reply
+        await env.env.settle()  # a ping drains what the child pushed before it
+        assert env.env.snapshot is not None and env.env.snapshot.turn == 1
+        await env.step("It is 7.")
+        await env.env.settle()
+        assert env.env.snapshot.turn == 2 and env.env.stats["checkpoints"] == 2
+    asyncio.run(go())
+    env.close()
+    pool.close()

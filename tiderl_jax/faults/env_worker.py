@@ -11,13 +11,16 @@ MECHANISMS.md §5 (Belayer, environment failure). Two layers:
   `timeout_s` kills the child and raises `WorkerTimeout` (kind `timeout`). An exception raised by
   the environment itself is re-raised as `EnvError` with the child's traceback (not an
   infrastructure failure: the same call would fail again).
-- `CheckpointingEnv`: an `EnvWorker` that snapshots at safe turn boundaries and recovers. After a
-  step returns (the environment has answered; the model now generates its next turn), it decides
-  with `belayer.should_checkpoint(p_fail, redo_cost, checkpoint_s, overlap_s)` whether to take a
-  snapshot, and takes it in the background, overlapped with that generation; the next `step` waits
-  for it first (only what outlasts the generation is visible). `redo_cost` is the measured
-  environment plus generation seconds of the turns since the last snapshot, `checkpoint_s` the last
-  snapshot's measured time, `overlap_s` the mean generation time so far. When a step (or a pending
+- `CheckpointingEnv`: an `EnvWorker` that snapshots at safe turn boundaries and recovers. Before a
+  step it decides with `belayer.should_checkpoint(p_fail, redo_cost, checkpoint_s, overlap_s)`
+  whether the boundary after it gets a snapshot; if so the child replies to the step first, then
+  snapshots while the model generates its next turn and pushes the state unasked (no extra request:
+  a round trip costs the event loop two syscalls, and on a loaded host each one a GIL hand-back).
+  The parent picks the pushed state up during its next call to that child; a next request that
+  arrives before the snapshot is done waits (`checkpoint_wait_s`: only what outlasts the generation
+  is visible). `redo_cost` is the measured environment plus generation seconds of the turns since
+  the last snapshot (the coming step's environment time taken as the mean so far),
+  `checkpoint_s` the last snapshot's measured time, `overlap_s` the mean generation time so far. When a step (or a pending
   snapshot) finds the child dead or hung, it asks `belayer.decide_retry` (the budget is
   `max_retries` recoveries per episode): it restarts the child, restores the last snapshot (or
   resets the task: turn 0) and raises `EnvRewound(turn, observation, attempt)`; the caller cuts its
@@ -151,7 +154,10 @@ def restore_env(env: Environment, state: bytes) -> None:
 
 
 def _serve(conn: multiprocessing.connection.Connection, make_env: Callable[[Task], Environment]) -> None:
-    """The child's loop: one request at a time, replies ("ok", seq, result) or ("error", seq, text)."""
+    """The child's loop: one request at a time, replies ("ok", seq, result) or ("error", seq, text).
+    A "step+snapshot" replies first, then (unless the episode ended) snapshots the environment and
+    pushes ("snapshot", seq, (state, seconds, monotonic end)) or ("snapshot_error", seq, message) unasked: the
+    snapshot runs while the parent's model generates, and costs the parent no request."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop (Ctrl-C there)
     loop = asyncio.new_event_loop()
     env: Environment | None = None
@@ -171,8 +177,21 @@ def _serve(conn: multiprocessing.connection.Connection, make_env: Callable[[Task
                 result = None
             elif env is None:
                 raise RuntimeError(f"{op} before reset")
-            elif op == "step":
+            elif op in ("step", "step+snapshot"):
                 result = loop.run_until_complete(env.step(arg))
+                if op == "step+snapshot":
+                    conn.send(("ok", seq, result))
+                    if not result.done:
+                        t0 = time.perf_counter()
+                        try:
+                            state = snapshot_env(env)
+                        except SnapshotError as e:
+                            conn.send(("snapshot_error", seq, str(e)))
+                        else:
+                            conn.send(("snapshot", seq, (state, time.perf_counter() - t0, time.monotonic())))
+                    continue
+            elif op == "ping":
+                result = None
             elif op == "snapshot":
                 result = snapshot_env(env)
             else:
@@ -233,6 +252,9 @@ class EnvWorker:
             self._ctx.set_forkserver_preload(["tiderl_jax.agents.tasks"])  # once the server runs)
         self._lock = asyncio.Lock()
         self._seq = 0
+        # called with (seq of the step, ok, (state, seconds, end) or the error message) for each pushed snapshot
+        self.on_snapshot: Callable[[int, bool, Any], None] | None = None
+        self.sent_at = 0.0  # time.monotonic() when the latest request was sent
         self.starts = 0
         self._proc = self._conn = None
         self.start()
@@ -289,6 +311,7 @@ class EnvWorker:
             self._seq += 1
             seq = self._seq
             try:
+                self.sent_at = time.monotonic()  # (CLOCK_MONOTONIC: the child's clock too)
                 conn.send((seq, op, arg))
             except (OSError, EOFError, ValueError):
                 raise self._crashed(op) from None
@@ -311,6 +334,10 @@ class EnvWorker:
                     status, reply_seq, payload = conn.recv()
                 except (EOFError, OSError):
                     raise self._crashed(op) from None
+                if status in ("snapshot", "snapshot_error"):  # pushed after an earlier step+snapshot
+                    if self.on_snapshot is not None:
+                        self.on_snapshot(reply_seq, status == "snapshot", payload)
+                    continue
                 if reply_seq != seq:
                     continue  # the answer to an abandoned call
                 if status == "ok":
@@ -329,8 +356,19 @@ class EnvWorker:
     async def reset(self, task: Task) -> str | Observation:
         return await self._call("reset", task)
 
-    async def step(self, action: str) -> StepResult:
-        return await self._call("step", action)
+    async def step(self, action: str, snapshot: bool = False) -> StepResult:
+        """One step; with `snapshot`, the child snapshots after replying and pushes the state to
+        `on_snapshot`, which runs during a later call (the next one drains it)."""
+        return await self._call("step+snapshot" if snapshot else "step", action)
+
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the latest request."""
+        return self._seq
+
+    async def ping(self) -> None:
+        """A no-op round trip: everything the child pushed before it has been handed over."""
+        await self._call("ping")
 
     async def snapshot_bytes(self) -> bytes:
         return await self._call("snapshot")
@@ -369,16 +407,19 @@ class CheckpointingEnv:
                  config: CheckpointConfig = CheckpointConfig(), *, start_method: str = "forkserver"):
         self.config = config
         self.worker = EnvWorker(make_env, timeout_s=config.step_timeout_s, start_method=start_method)
+        self.worker.on_snapshot = self._pushed
         self.task: Task | None = None
         self.turn = 0  # completed steps of the current episode
         self.attempts = 0  # recoveries so far in this episode
         self.snapshot: EnvSnapshot | None = None  # the latest good snapshot
-        self._pending: asyncio.Task | None = None  # a snapshot being taken in the background
+        self._asked: tuple[int, int, Any] | None = None  # (request seq, turn, observation) of a snapshot on its way
+        self._snapshot_error: str | None = None
         self._last_obs: str | Observation | None = None
         self._first_obs: str | Observation | None = None
         self._env_since: list[float] = []  # per turn since the last snapshot: environment seconds
         self._gen_since: list[float] = []  # and generation seconds (between a step's return and the next call)
         self._gen_all: list[float] = []
+        self._env_all: list[float] = []
         self._last_return = 0.0
         self._checkpoint_s: float | None = None  # the last measured snapshot time
         self.stats = {"checkpoints": 0, "checkpoint_s": 0.0, "checkpoint_wait_s": 0.0,
@@ -388,9 +429,9 @@ class CheckpointingEnv:
     # ------------------------------------------------------------------ Environment
 
     async def reset(self, task: Task) -> str | Observation:
-        await self._drop_pending()
         self.task, self.turn, self.attempts, self.snapshot = task, 0, 0, None
-        self._env_since, self._gen_since, self._gen_all = [], [], []
+        self._asked, self._snapshot_error = None, None  # a snapshot of the previous episode is ignored
+        self._env_since, self._gen_since, self._gen_all, self._env_all = [], [], [], []
         while True:
             try:
                 obs = await self.worker.reset(task)
@@ -405,76 +446,69 @@ class CheckpointingEnv:
     async def step(self, action: str) -> StepResult:
         if self.task is None:
             raise RuntimeError("CheckpointingEnv: reset(task) before step")
-        called = time.perf_counter()
-        gen_s = called - self._last_return
-        await self._await_pending()
         t0 = time.perf_counter()
+        gen_s = t0 - self._last_return
+        want = self._want_checkpoint(gen_s)
         try:
-            result = await self.worker.step(action)
+            result = await self.worker.step(action, snapshot=want)
         except (WorkerCrashed, WorkerTimeout) as e:
             await self._recover(e)  # raises EnvRewound or TaskDropped
+        if self._snapshot_error is not None:  # pushed while this step ran
+            raise SnapshotError(self._snapshot_error)
         env_s = time.perf_counter() - t0
         self.turn += 1
         self._env_since.append(env_s)
+        self._env_all.append(env_s)
         self._gen_since.append(gen_s)
         self._gen_all.append(gen_s)
         self._last_obs = result.observation
-        if not result.done and self._want_checkpoint():
-            self._pending = asyncio.create_task(self._take_snapshot(self.turn, result.observation))
+        if want and not result.done:  # the child snapshots now; the state arrives with a later call
+            self._asked = (self.worker.last_seq, self.turn, result.observation)
         self._last_return = time.perf_counter()
         return result
 
     async def settle(self) -> None:
         """Waits for a snapshot being taken in the background (e.g. before a planned shutdown)."""
-        await self._await_pending()
+        if self._asked is not None:
+            try:
+                await self.worker.ping()
+            except (WorkerCrashed, WorkerTimeout):
+                self.stats["checkpoint_failures"] += 1  # the step that follows finds the child dead
 
     def close(self) -> None:
-        if self._pending is not None:
-            self._pending.cancel()
         self.worker.close()
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _want_checkpoint(self) -> bool:
+    def _want_checkpoint(self, gen_s: float) -> bool:
+        """Belayer's rule for a snapshot after the coming step: the redo cost counts the turns since
+        the last snapshot plus this one (its generation measured, its environment time expected)."""
         if self.config.mode != "belayer":
             return self.config.mode == "always"
         checkpoint_s = self._checkpoint_s if self._checkpoint_s is not None else self.config.checkpoint_s_guess
         overlap_s = statistics.fmean(self._gen_all) if self._gen_all else 0.0
+        env_next = statistics.fmean(self._env_all) if self._env_all else 0.0
         return belayer.should_checkpoint(self.config.p_fail,
-                                         belayer.redo_cost(self._env_since, self._gen_since),
+                                         belayer.redo_cost(self._env_since + [env_next], self._gen_since + [gen_s]),
                                          checkpoint_s, overlap_s)
 
-    async def _take_snapshot(self, turn: int, observation) -> None:
-        t0 = time.perf_counter()
-        state = await self.worker.snapshot_bytes()  # a crash here surfaces at the next step
-        self._checkpoint_s = time.perf_counter() - t0
-        self.snapshot = EnvSnapshot(self.task, turn, state, observation)
-        self._env_since, self._gen_since = [], []
-        self.stats["checkpoints"] += 1
-        self.stats["checkpoint_s"] += self._checkpoint_s
-
-    async def _await_pending(self) -> None:
-        if self._pending is None:
+    def _pushed(self, seq: int, ok: bool, payload) -> None:
+        """A snapshot the child pushed after the step of request `seq`."""
+        if self._asked is None or seq != self._asked[0]:
+            return  # a previous episode's
+        _, turn, observation = self._asked
+        self._asked = None
+        if not ok:
+            self.stats["checkpoint_failures"] += 1
+            self._snapshot_error = payload
             return
-        t0 = time.perf_counter()
-        try:
-            await self._pending
-        except (WorkerCrashed, WorkerTimeout):
-            self.stats["checkpoint_failures"] += 1  # the step that follows finds the child dead
-        finally:
-            self._pending = None
-            self.stats["checkpoint_wait_s"] += time.perf_counter() - t0
-
-    async def _drop_pending(self) -> None:
-        if self._pending is not None:
-            self._pending.cancel()
-            try:
-                await self._pending
-            except (asyncio.CancelledError, WorkerCrashed, WorkerTimeout):
-                pass
-            self._pending = None
-            if not self.worker.alive():
-                self.worker.restart()
+        state, seconds, end = payload
+        self._checkpoint_s = seconds
+        self.snapshot = EnvSnapshot(self.task, turn, state, observation)
+        self._env_since, self._gen_since = [], []  # the turns up to `turn`; the current one is added after
+        self.stats["checkpoints"] += 1
+        self.stats["checkpoint_s"] += seconds
+        self.stats["checkpoint_wait_s"] += max(0.0, end - self.worker.sent_at)  # the next request waited
 
     # ------------------------------------------------------------------ recovery
 
@@ -489,6 +523,7 @@ class CheckpointingEnv:
 
     async def _recover(self, cause: WorkerCrashed | WorkerTimeout):
         """Restarts the child at the last snapshot (or turn 0) and raises EnvRewound."""
+        self._asked = None  # a snapshot the child did not push is lost with it
         while True:
             self._count_failure(cause)  # raises TaskDropped past the budget
             self.worker.restart()
@@ -531,6 +566,12 @@ class EnvPool:
             env = CheckpointingEnv(self.make_env, self.config, start_method=self.start_method)
             self.created += 1
         return PooledEnv(env, self)
+
+    def prestart(self, n: int) -> None:
+        """Starts processes until `n` are free (a run calls it once, before its first tasks)."""
+        while len(self._free) < n:
+            self._free.append(CheckpointingEnv(self.make_env, self.config, start_method=self.start_method))
+            self.created += 1
 
     def give_back(self, env: CheckpointingEnv) -> None:
         if env.worker.alive():

@@ -617,6 +617,8 @@ class Controller:
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> dict:
+        if hasattr(self._make_env, "prestart"):  # environment processes, started before any task needs one
+            self._make_env.prestart(self.cfg.max_concurrent)
         if self.metrics.steps == 0:
             self.metrics.begin()
         await self.backend.start(self._make_env, lambda t: self.latency,
