@@ -25,7 +25,7 @@ Scenarios (MECHANISMS.md §5; `tiderl_jax/faults/`), each a JSON row with `scena
 - `overhead`: the controller (async mode, the tiny model, built-in calculator tasks, environment
   latency log-normal median 0.3 s) with fault tolerance off vs on (environments in checkpointed
   subprocesses and the engine in a worker process with a warm standby), no faults; pairs of runs
-  interleaved (off, environments only, all; 3 rounds, the environment forkserver started before
+  interleaved (off, environments only, all; `--rounds`, default 3, the environment forkserver started before
   them, as a deployment starts it once). `recovery_s` is the median seconds per
   update with fault tolerance on, `baseline_s` without; `speedup` = baseline / recovery (target
   >= 0.97: within 3%); row `overhead` has everything on, `overhead_env` only the environment
@@ -224,12 +224,12 @@ def _controller_run(ft: str, steps: int, skip: int, logdir: str) -> tuple[float,
         ledger["admitted"] - ended - c.unfinished()
 
 
-def overhead_scenario(quick: bool) -> list[dict]:
+def overhead_scenario(quick: bool, rounds: int = 3) -> list[dict]:
     """Two rows: `overhead` (environments in checkpointed subprocesses and the engine in a worker
     with a standby) and `overhead_env` (only the environments), each against fault tolerance off."""
     import statistics
     import tempfile
-    steps, skip, pairs = (4, 1, 1) if quick else (8, 2, 3)
+    steps, skip, pairs = (4, 1, 1) if quick else (8, 2, rounds)
     from tiderl_jax.faults.env_worker import EnvWorker
     EnvWorker().close()  # starts the forkserver (once per run of the system), outside the measurement
     runs = {"off": [], "env": [], "all": []}
@@ -259,6 +259,7 @@ def main():
     p.add_argument("--compile-cache", action="store_true",
                    help="let workers use the persistent compile cache (a warm cold start)")
     p.add_argument("--only", choices=("engine", "environment", "overhead"))
+    p.add_argument("--rounds", type=int, default=3, help="overhead: interleaved rounds of off / env / all")
     args = p.parse_args()
     rows = []
     if args.only in (None, "environment"):
@@ -266,7 +267,7 @@ def main():
     if args.only in (None, "engine"):
         rows.append(engine_scenario(args.quick, args.compile_cache))
     if args.only in (None, "overhead"):
-        rows += overhead_scenario(args.quick)
+        rows += overhead_scenario(args.quick, args.rounds)
     print(f"\n{'scenario':<13}{'recovery_s':>12}{'baseline_s':>12}{'speedup':>9}{'tasks_lost':>12}")
     for r in rows:
         print(f"{r['scenario']:<13}{r['recovery_s']:>12.3f}{r['baseline_s']:>12.3f}{r['speedup']:>8.1f}x"

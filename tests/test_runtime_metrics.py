@@ -50,6 +50,9 @@ def test_shared_lanes_count_each_device_once(tmp_path):
     m.data_waits.append((0.0, 6.0))
     m.now = lambda: 10.0
     assert m.waiting() == {"rollout": pytest.approx(16.0), "train": pytest.approx(8.0)}
+    # replicas that finished their share while others still generate: idle inside the span
+    m.idle_in_spans["rollout"] += 5.0
+    assert m.waiting() == {"rollout": pytest.approx(21.0), "train": pytest.approx(8.0)}
     m.close()
     with pytest.raises(ValueError, match="same device count"):
         RunMetrics(str(tmp_path / "x"), total_steps=1, devices={"rollout": 8, "train": 4},

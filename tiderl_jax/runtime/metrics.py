@@ -12,7 +12,9 @@ Definitions (one each):
   wall time minus busy time, times its device count. Lanes that take turns on the same devices
   (`shared`, the sync mode) count each device once: it waits when no lane's span covers it, and
   that idle time is rollout waiting while the trainer waits for data (`data_wait`), else trainer
-  waiting;
+  waiting; devices idle inside a shared lane's span (a backend that knows, e.g. the simulator's
+  replicas that finished their share of a synchronous batch, reports them in `idle_in_spans`)
+  count as that lane's waiting too;
 - KV hit rate: prompt tokens served from cache / all prompt tokens prefilled (the engine's counter);
 - staleness: per consumed token, current policy version minus the version that generated it.
 """
@@ -55,6 +57,7 @@ class RunMetrics:
         self.busy_device_s = collections.Counter()  # lane -> device-seconds busy
         self.busy_s = collections.Counter()  # lane -> wall seconds busy
         self.device_s = collections.Counter()  # lane -> device-seconds held (busy or idle)
+        self.idle_in_spans = collections.Counter()  # shared lane -> device-seconds idle inside its spans
         self._held_since = {lane: 0.0 for lane in self.devices}
         self.consumed_tokens = 0
         self.consumed_samples = 0
@@ -72,6 +75,7 @@ class RunMetrics:
         self.busy_device_s.clear()
         self.busy_s.clear()
         self.device_s.clear()
+        self.idle_in_spans.clear()
         self._held_since = {lane: 0.0 for lane in self.devices}
 
     def now(self) -> float:
@@ -147,6 +151,8 @@ class RunMetrics:
             total = sum(b - a for a, b in idle)
             wait["rollout"] = wait.get("rollout", 0.0) + n * in_rollout
             wait["train"] = wait.get("train", 0.0) + n * (total - in_rollout)
+            for lane in self.shared:
+                wait[lane] = wait.get(lane, 0.0) + self.idle_in_spans[lane]
         return wait
 
     def summary(self) -> dict:
