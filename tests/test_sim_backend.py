@@ -139,3 +139,22 @@ def test_shared_cores_slow_overlapping_work(tmp_path):
     assert backend._host_jobs == 0
     with pytest.raises(ValueError):
         _measured(rollout_overlap_x=0.5)
+
+
+@pytest.mark.parametrize("mode,sim", [
+    ("tiderl", SimConfig()), ("async", SimConfig()), ("sync", SimConfig()),
+    ("tiderl", SimConfig(kv_pages=600)),  # KV-bound: blocked admissions, CTB evictions
+    ("async", SimConfig(kv_pages=600, decode_chunk=4)),
+    ("tiderl", SimConfig(tp=0, kv_pages=4096, measured=_measured(rollout_overlap_x=3.0, train_overlap_x=1.5)))])
+def test_event_spans_time_every_event_as_its_own_heap_entry(tmp_path, monkeypatch, mode, sim):
+    # reference: a span of one event (its own heap entry and boundary, the event core before spans);
+    # spans of many events between boundaries where a batch can change must give the same run, to the bit
+    kw = dict(steps=4, ers_patience=1, ers_cooldown=0) if mode == "tiderl" else dict(steps=4)
+    fast, _, _ = _run(tmp_path, mode, sim, name="spans", **kw)
+    walk = sim_backend.SimBackend._walk
+    monkeypatch.setattr(sim_backend.SimBackend, "_walk", lambda self, r, until: walk(self, r, -np.inf))
+    ref, _, _ = _run(tmp_path, mode, sim, name="events", **kw)
+    for key in ("wall_s", "goodput_tokens_per_s", "kv_hit_rate", "staleness", "step_time_s", "sim", "moves"):
+        assert fast[key] == ref[key], key
+    for key in ("rollout_wait_s", "trainer_wait_s"):  # busy seconds summed per span instead of per event
+        assert fast[key] == pytest.approx(ref[key], rel=1e-9, abs=1e-9), key

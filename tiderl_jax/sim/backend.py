@@ -6,15 +6,22 @@ takes the seconds `sim/costs.py` gives it on the virtual-time loop (`sim/clock.p
 1024-accelerator run costs only the Python of its events.
 
 **The event core.** Train, reference scoring, weight sync and moves are `asyncio.sleep`s of their
-cost. The rollout side (every replica's events and every environment return) runs on one heap of
-timed events inside the backend, in plain Python: one loop timer fires the earliest, and the driver
-(`_drive`) keeps popping events and advancing the virtual clock itself as long as nothing else on the
-loop could happen first (`VirtualTimeLoop.quiet_until`: no ready callback, no earlier timer). The
-only asyncio object per sample is the future `generate` awaits (the whole multi-turn trajectory
-runs in the heap); when a sample ends its future wakes the controller and the driver yields back to
-the loop at that virtual instant. Same-instant order: heap events in the order they were pushed; an
-idle replica that gets work starts once the driver reaches that instant (all enqueues of the
-instant made before then join its first event).
+cost. The rollout side runs on one heap of timed entries inside the backend, in plain Python: one
+loop timer fires the earliest, and the driver (`_drive`) keeps popping entries and advancing the
+virtual clock itself as long as nothing else on the loop could happen first
+(`VirtualTimeLoop.quiet_until`: no ready callback, no earlier timer). A replica has one entry, at its
+next *boundary* where its batch can change (`_wake`): between two, its decode events (chunks) are
+timed in one loop (`_walk`, a *span*), event after event with the same sums as one heap entry per
+event (tests/test_sim_backend.py checks a run against that). A span ends with the event in which a
+turn ends, or the first that ends after something arrives (an environment return, kept on the
+replica's own `arrivals` heap, or a new task); a new version, CTB's refreshed estimate, or an
+admission that evicted without succeeding end it at the next boundary (`_cut`), because the old
+core tried admission at every event. The only asyncio object per sample is the future `generate`
+awaits (the whole multi-turn trajectory runs in the heap); when a sample ends its future wakes the
+controller and the driver yields back to the loop at that virtual instant. Same-instant order: heap
+entries in the order they were pushed; an idle replica that gets work starts once the driver reaches
+that instant (all enqueues of the instant made before then join its first event). `run` makes
+Python's cyclic garbage collector rare while it runs (`rare_collections`).
 
 What is modelled (all parameters in `SimConfig`, each a documented default):
 
@@ -100,7 +107,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
+import gc
 import heapq
 from typing import Any, Sequence
 
@@ -111,6 +120,9 @@ from tiderl_jax.policies import ctb
 from tiderl_jax.runtime.pool import DevicePool, lanes_of, split_devices
 from tiderl_jax.sim import clock as clock_lib
 from tiderl_jax.sim import costs, hardware, workloads
+
+
+_INF = float("inf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,15 +211,25 @@ class _Seq:
 
 
 class _Replica:
-    """A continuous-batching server on `tp` devices (state; `SimBackend._start_event` / `_event_end`
-    run it on the backend's event heap).
+    """A continuous-batching server on `tp` devices (state; `SimBackend._wake` / `_start` run it on the
+    backend's event heap).
 
     Running sequences are kept lazily, so an event costs O(log B) plus the turns it ends, not O(B):
     every running sequence advances by the event's K tokens, so the replica counts decode `steps` and
     a sequence's turn ends at step `start + left`; `ends` (min-heap) yields the turns an event ends,
     `maxends` (max-heap, stale entries skipped) the longest remaining turn for K, and the context sum
     is `ctx_base + len(running) * steps`. `vlog` lists (step, version) where the weights changed, so
-    a turn's tokens per version are counted when it ends."""
+    a turn's tokens per version are counted when it ends.
+
+    Events run in spans (`SimBackend._walk`): a span is the run of decode chunks (events) between two
+    boundaries where the replica's batch can change; only its last boundary is on the event heap
+    (`wake_at`). Environment returns wait in `arrivals` (a per-replica heap) and join the queue at the
+    first chunk boundary after they arrive, as if queued at once."""
+
+    __slots__ = ("rid", "devices", "capacity", "version", "pending", "queue", "running", "steps", "ends",
+                 "maxends", "ctx_base", "vlog", "used", "cache", "cache_pages", "pinned", "footprints", "live",
+                 "prompts", "alive", "borrowed", "busy", "retry", "arrivals", "wake_at", "span", "w_step", "w_last", "w_prev",
+                 "w_chunks", "w_dur", "__dict__")
 
     def __init__(self, rid: int, devices: tuple, capacity: int):
         self.rid, self.devices, self.capacity = rid, devices, capacity  # capacity in pages
@@ -229,10 +251,19 @@ class _Replica:
         self.prompts: dict[int, list] = {}  # gid -> [version written, samples here holding it]
         self.alive = True
         self.borrowed = False  # BiDiRL: serving on borrowed train devices
-        self.busy = False  # an event in flight
-        self.kicked = False  # a start is queued on the event heap
-        self.event = (0.0, 0.0, 0.0, 0)  # the event in flight: (start, prefill seconds, decode step seconds, K)
-        self.ev_begin = self.ev_end = self.ev_dur = 0.0  # when it began, ends, and its busy seconds
+        self.busy = False  # a span of events in flight
+        self.retry = False  # an admission that failed changed the KV: the next event boundary tries again
+        self.arrivals: list = []  # (time, order, seq): environment returns and placements not yet queued
+        self.wake_at = _INF  # when its next heap entry runs (`_wake`); entries at other times are stale
+        # the span in flight: (start, prefill seconds, first step, batch, ctx_base, longest end, first turn end)
+        self.span = (0.0, 0.0, 0, 0, 0, 0, 0)
+        # its last event (the one `wake_at` ends): the decode step count then, (start, prefill seconds,
+        # first step, decode step seconds) of that event, its start time, events and busy seconds so far
+        self.w_step = 0
+        self.w_last = (0.0, 0.0, 0, 0.0)
+        self.w_prev = 0.0
+        self.w_chunks = 0
+        self.w_dur = 0.0
 
 
 class SimBackend:
@@ -287,6 +318,7 @@ class SimBackend:
         self._chunk = config.decode_chunk
         self._decode_flops = 2.0 * self._matmul_params
         self._finished: collections.deque[int] = collections.deque(maxlen=config.finished_window)
+        self._window: tuple[int, ...] = ()  # `_finished` at the last refresh: what the estimate reads
         self._finishes = 0
         self._remaining_turns: dict[int, float] = {}
         self._mean_latency = self.workload.env_latency_s.mean()
@@ -349,6 +381,12 @@ class SimBackend:
         self._rebuild()
 
     async def stop(self) -> None:
+        now = self.loop._now
+        for r in self.replicas.values():  # the events of spans in flight that ended by now count
+            if r.busy:
+                end = self._walk(r, now)
+                self._events += r.w_chunks - 1
+                self._add_busy(r, r.w_dur - (end - r.w_prev))
         if self._armed is not None:
             self._armed.cancel()
             self._armed = None
@@ -431,18 +469,17 @@ class SimBackend:
     def _rescale_rollout(self, f: float) -> None:
         """Stretches (f > 1) or shrinks the rest of every busy replica's event by `f`."""
         now = self.loop._now
-        for r in self.replicas.values():
-            if not r.busy or r.ev_end <= now:
+        for r in self.replicas.values():  # measured costs: a span is one event (`_walk`)
+            if not r.busy or r.wake_at <= now:
                 continue
-            start, prefill, step, K = r.event
+            start, prefill, first, step = r.w_last
+            K = r.w_step - first
             start = now + (start - now) * f  # then start + prefill + k * step = now + (old - now) * f
-            r.event = (start, prefill * f, step * f, K)
-            r.ev_end = start + (prefill + K * step) * f
-            r.ev_dur = r.ev_end - r.ev_begin
-            self._order += 1
-            heapq.heappush(self._heap, (r.ev_end, self._order, self._event_end, r))
-            if not self._driving:
-                self._arm(r.ev_end)
+            r.w_last = (start, prefill * f, first, step * f)
+            end = start + (prefill + K * step) * f
+            r.w_dur = end - r.span[0]
+            r.wake_at = _INF
+            self._schedule(r, end)
 
     def _rollout_flipped(self) -> None:
         """The rollout went idle or busy: host jobs re-time themselves (`_host_work`)."""
@@ -474,8 +511,11 @@ class SimBackend:
     async def publish(self, version: int) -> bool:
         await asyncio.sleep(self._sync_s)
         self.version = version
+        now = self.loop._now
         for r in self.replicas.values():
             r.version = version
+            if r.busy:  # the events after the one in flight run the new weights
+                self._cut(r, now)
         return True
 
     async def move(self, from_role: str, to_role: str) -> None:
@@ -636,10 +676,23 @@ class SimBackend:
         for key in [k for k in self.replicas if k not in set(wanted)]:
             r = self.replicas.pop(key)
             r.alive = False  # its event on the heap is skipped
-            self._busy_end(r, 0.0)  # its event is cut short (its progress is lost)
+            if r.busy:  # the events of its span that ended count; the one in flight is cut short (lost)
+                end = self._walk(r, self.loop._now)
+                r.steps = r.w_last[2]
+                self._events += r.w_chunks - 1
+                self._busy_end(r, r.w_dur - (end - r.w_prev))
             for s in list(r.running):
                 self._retire(r, s)  # what earlier events wrote
                 orphans.append(s)
+            now = self.loop._now
+            while r.arrivals and r.arrivals[0][0] <= now:  # returned: in the queue
+                (r.pending if self.kv_mode == "ctb" and not r.arrivals[0][2].admitted else r.queue).append(
+                    heapq.heappop(r.arrivals)[2])
+            for at, order, s in r.arrivals:  # still in their environment: placed when they return
+                heapq.heappush(self._heap, (at, order, self._env_return, s))
+                if not self._driving:
+                    self._arm(at)
+            r.arrivals = []
             orphans.extend(r.queue)
             orphans.extend(r.pending)
             for s in list(r.pinned) + list(r.cache):
@@ -691,10 +744,15 @@ class SimBackend:
         self._enqueue(r, seq)
 
     def _enqueue(self, r: _Replica, seq: _Seq) -> None:
-        (r.pending if self.kv_mode == "ctb" and not seq.admitted else r.queue).append(seq)
-        if not r.busy and not r.kicked:  # an idle replica starts at this instant, once the loop is quiet
-            r.kicked = True
-            self._push(self.loop.time(), self._kick, r)
+        """`seq` joins `r`'s queue now: at the end of the event in flight, or at this instant once the loop
+        is quiet if `r` is idle (all enqueues of the instant made before then join its first event)."""
+        now = self.loop._now
+        self._order += 1
+        heapq.heappush(r.arrivals, (now, self._order, seq))
+        if r.busy:
+            self._cut(r, now)
+        else:
+            self._schedule(r, now)
 
     def _env_return(self, seq: _Seq) -> None:
         r = seq.replica
@@ -715,7 +773,7 @@ class SimBackend:
     def _expected_remaining(self, turns_done: int) -> float:
         cached = self._remaining_turns.get(turns_done)
         if cached is None:
-            cached = ctb.expected_remaining_turns(turns_done, self._finished, self.workload.max_turns)
+            cached = ctb.expected_remaining_turns(turns_done, self._window, self.workload.max_turns)
             self._remaining_turns[turns_done] = cached
         return cached
 
@@ -785,11 +843,16 @@ class SimBackend:
             entry = r.cache.get(s)
             own = entry[0] if entry is not None else 0  # its own cached pages become its KV
             if r.capacity - r.used - r.cache_pages + own < need:
+                c = self.counters
+                evictions = c["cache_evictions"] + c["ctb_evictions"]
                 self._evict_cache(r, need - own, keep=s)
                 if ctb_mode and self._free(r) + own < need:
                     self._evict_pinned(r, need - own)
                     self._evict_cache(r, need - own, keep=s)
                 if self._free(r) + own < need and (r.used > 0 or r.running):
+                    # what it evicted may let the next try pass (e.g. its own pinned KV, now cached, counts
+                    # then): the next event boundary tries again
+                    r.retry = c["cache_evictions"] + c["ctb_evictions"] != evictions
                     break
             queue.popleft()
             # what is cached of the context: pinned KV, a prefix-cache entry of this version, the group prompt
@@ -859,71 +922,140 @@ class SimBackend:
         bytes_moved = self._param_bytes + self._kv_bytes * (c + n)
         return max(flops / self._prefill_rate, bytes_moved / self._bytes_rate)
 
-    def _kick(self, r: _Replica) -> None:
-        r.kicked = False
-        if r.alive and not r.busy:
-            self._start_event(r)
+    def _wake(self, r: _Replica) -> None:
+        """`r` at a chunk boundary (`wake_at`): what arrived meanwhile joins the queue, the span's events
+        end (their turns end, each at its own step), and the next span starts."""
+        now = self.loop._now
+        if now != r.wake_at or not r.alive:  # stale: re-timed (`_cut`, `_rescale_rollout`) or moved away
+            return
+        r.wake_at = _INF
+        arrivals = r.arrivals
+        if arrivals and arrivals[0][0] <= now:  # (before the turns below add their environment returns)
+            pending, queue = r.pending, r.queue
+            ctb_mode = self.kv_mode == "ctb"
+            pop = heapq.heappop
+            while arrivals and arrivals[0][0] <= now:
+                s = pop(arrivals)[2]
+                (pending if ctb_mode and not s.admitted else queue).append(s)
+        if r.busy:
+            self._events += r.w_chunks
+            self._busy_end(r, r.w_dur)
+            r.steps = last = r.w_step
+            ends = r.ends
+            if ends and ends[0][0] <= last:  # turns of the span's last event (none end before it)
+                start, prefill, first, step = r.w_last
+                start += prefill
+                while ends and ends[0][0] <= last:
+                    end, _, s = heapq.heappop(ends)
+                    self._retire(r, s)
+                    self._turn_end(r, s, start + (end - first) * step)
+        self._start(r)
 
-    def _start_event(self, r: _Replica) -> None:
-        """Admits what fits, then one event: the new sequences' prefill and K decode steps of all."""
+    def _start(self, r: _Replica) -> None:
+        """Admits what fits, then a span of events (`_walk`): the new sequences' prefill and K decode
+        steps of all, event after event until one ends a turn or something arrives; idle without
+        running sequences."""
         if r.queue or r.pending:
             new = self._admit(r)
             prefill = self._prefill_time(new) if new else 0.0
             for s in new:
                 s.new_tokens = 0
+            if self._host_jobs:  # measured costs, cores shared with a train / ref job
+                prefill *= self.measured.rollout_overlap_x
         else:
             prefill = 0.0
         B = len(r.running)
-        if not B:
-            return  # idle until something is enqueued
+        if not B:  # idle until something arrives
+            r.retry = False
+            if r.arrivals:
+                self._schedule(r, r.arrivals[0][0])
+            return
         maxends = r.maxends
         while maxends[0][1] != maxends[0][2].run:  # sequences no longer running
             heapq.heappop(maxends)
         steps = r.steps
-        K = -maxends[0][0] - steps
-        if K > self._chunk:
-            K = self._chunk
-        # self._decode_step(B, context + B * (K - 1) / 2), inlined (the hottest line of a simulation)
-        m = self.measured
-        if m is None:
-            context = r.ctx_base + B * steps + B * (K - 1) / 2
-            flops = self._decode_flops * B + self._attn_per_pair * context
-            bytes_moved = self._param_bytes + self._kv_bytes * (context + B)
-            step = max(flops / self._flops_rate, bytes_moved / self._bytes_rate)
-        else:
-            step = m.decode_step_s + m.decode_per_seq_s * B
-            if self._host_jobs:
-                x = m.rollout_overlap_x
-                prefill, step = prefill * x, step * x
-        now = self.loop._now
         if r.vlog[-1][1] != r.version:
             r.vlog.append((steps, r.version))
-        r.event = (now, prefill, step, K)
-        r.ev_begin, r.ev_dur = now, prefill + K * step
-        r.ev_end = end = now + r.ev_dur
+        now = self.loop._now
+        r.span = (now, prefill, steps, B, r.ctx_base, -maxends[0][0], r.ends[0][0])
+        if r.retry:
+            r.retry = False
+            end = self._walk(r, now)
+        else:
+            end = self._walk(r, r.arrivals[0][0] if r.arrivals else _INF)
         r.busy = True
         self._busy_replicas += 1
         if self._busy_replicas == 1:
             self._busy_first()
-        self._order += 1
-        heapq.heappush(self._heap, (end, self._order, self._event_end, r))
-        if not self._driving:
-            self._arm(end)
+        self._schedule(r, end)
 
-    def _event_end(self, r: _Replica) -> None:
-        if not r.alive or self.loop._now != r.ev_end:  # moved away (`_rebuild`), or re-timed (`_rescale_rollout`)
-            return
-        start, prefill, step, K = r.event
-        self._busy_end(r, r.ev_dur)
-        self._events += 1
-        first = r.steps
-        r.steps = last = first + K
-        ends = r.ends
-        while ends and ends[0][0] <= last:
-            end, _, s = heapq.heappop(ends)
-            self._retire(r, s)
-            self._turn_end(r, s, start + prefill + (end - first) * step)
-        self._start_event(r)
+    def _walk(self, r: _Replica, until: float) -> float:
+        """Times the events of `r`'s span (`r.span`) up to the first that ends after `until` or ends a
+        turn (with measured costs: the first, whose time `_rescale_rollout` may change); sets `r.w_*`
+        and returns when that event ends. Event by event (K = min(decode_chunk, the longest turn's steps
+        left), B running sequences whose `context` tokens grow by B per step):
+
+            seconds = prefill (the span's first event) + K * decode_step_time(B, context + B * (K - 1) / 2)
+
+        accumulated in the order, and so to the last bit, of timing each event on its own heap entry."""
+        start, prefill, steps, B, ctx_base, maxend, first_end = r.span
+        chunk = self._chunk
+        t = start
+        dur = 0.0
+        n = 0
+        m = self.measured
+        if m is None:
+            attn, decode_flops, flops_rate = self._attn_per_pair, self._decode_flops * B, self._flops_rate
+            param_bytes, kv_bytes, bytes_rate = self._param_bytes, self._kv_bytes, self._bytes_rate
+            while True:
+                K = maxend - steps
+                if K > chunk:
+                    K = chunk
+                # self._decode_step(B, context + B * (K - 1) / 2), inlined (the hottest line of a simulation)
+                context = ctx_base + B * steps + B * (K - 1) / 2
+                step = (decode_flops + attn * context) / flops_rate
+                b = (param_bytes + kv_bytes * (context + B)) / bytes_rate
+                if b > step:
+                    step = b
+                d = prefill + K * step
+                prev = t
+                t += d
+                dur += d
+                n += 1
+                first = steps
+                steps += K
+                if steps >= first_end or t > until:
+                    break
+                prefill = 0.0
+        else:
+            K = maxend - steps
+            if K > chunk:
+                K = chunk
+            step = m.decode_step_s + m.decode_per_seq_s * B
+            if self._host_jobs:
+                step *= m.rollout_overlap_x
+            d = prefill + K * step
+            prev = t
+            t += d
+            dur, n, first = d, 1, steps
+            steps += K
+        r.w_step, r.w_last, r.w_prev, r.w_chunks, r.w_dur = steps, (prev, prefill, first, step), prev, n, dur
+        return t
+
+    def _cut(self, r: _Replica, at: float) -> None:
+        """The span in flight on `r` ends with its first event that ends after `at` (something arrived,
+        or the weights or CTB's footprint estimate changed: the next event sees it)."""
+        if at < r.w_prev:  # (else that is the span's last event already)
+            self._schedule(r, self._walk(r, at))
+
+    def _schedule(self, r: _Replica, at: float) -> None:
+        """`r` wakes at `at` if that is earlier than its wake now (the later heap entry goes stale)."""
+        if at < r.wake_at:
+            r.wake_at = at
+            self._order += 1
+            heapq.heappush(self._heap, (at, self._order, self._wake, r))
+            if not self._driving:
+                self._arm(at)
 
     def _retire(self, r: _Replica, s: _Seq) -> None:
         """Takes `s` off the running set, bringing its counts up to the replica's decode steps."""
@@ -949,12 +1081,6 @@ class SimBackend:
                 break
 
     # ---------------------------------------------------------------- the event heap
-
-    def _push(self, at: float, fn, arg) -> None:
-        self._order += 1
-        heapq.heappush(self._heap, (at, self._order, fn, arg))
-        if not self._driving:
-            self._arm(at)
 
     def _arm(self, at: float) -> None:
         if self._armed is not None:
@@ -1019,7 +1145,10 @@ class SimBackend:
             r.footprints += f - s.footprint
             s.footprint = f
         s.wait_started = at
-        self._push(max(at + latency, self.loop.time()), self._env_return, s)
+        at += latency
+        now = self.loop._now
+        self._order += 1
+        heapq.heappush(r.arrivals, (at if at > now else now, self._order, s))  # `_start` schedules its wake
 
     def _finish(self, r: _Replica, s: _Seq) -> None:
         r.used -= s.kv_pages
@@ -1036,10 +1165,26 @@ class SimBackend:
         self._finishes += 1
         if self._finishes % self.cfg.finished_window == 0 or self._finishes < self.cfg.finished_window:
             self._remaining_turns.clear()
+            self._window = tuple(self._finished)
+            now = self.loop._now
+            for q in self.replicas.values():  # the footprints of tasks awaiting admission changed
+                if q.pending and q.busy:
+                    self._cut(q, now)
         if not s.future.done():
             s.future.set_result(None)
 
     # ---------------------------------------------------------------- busy accounting
+
+    def _add_busy(self, r: _Replica, seconds: float) -> None:
+        """`seconds` of events of `r` into the rollout lane's busy time (with `attach`, lanes not shared)."""
+        m = self.metrics
+        if m is not None and not self._shared:
+            if r.borrowed:  # train devices doing rollout work: the train lane's busy time
+                m.busy_device_s["train"] += seconds * self._replica_devices
+            else:
+                n = self._rollout_devices or 1
+                m.busy_device_s["rollout"] += seconds * self._replica_devices
+                m.busy_s["rollout"] += seconds * self._replica_devices / n
 
     def _busy_first(self) -> None:
         """The first busy replica of the pool (`_start_event` counts them): a rollout span opens."""
@@ -1056,14 +1201,8 @@ class SimBackend:
             return
         r.busy = False
         self._busy_replicas -= 1
+        self._add_busy(r, seconds)
         m = self.metrics
-        if m is not None and not self._shared:
-            if r.borrowed:  # train devices doing rollout work: the train lane's busy time
-                m.busy_device_s["train"] += seconds * self._replica_devices
-            else:
-                n = self._rollout_devices or 1
-                m.busy_device_s["rollout"] += seconds * self._replica_devices
-                m.busy_s["rollout"] += seconds * self._replica_devices / n
         if self._busy_replicas == 0:
             if self._flip is not None:
                 self._rollout_flipped()
@@ -1128,6 +1267,24 @@ def make_controller(sim: SimConfig, controller_config, *, num_devices: int, logd
     return controller, backend
 
 
+@contextlib.contextmanager
+def rare_collections(threshold: int = 100_000):
+    """Python's cyclic garbage collector made rare while a simulation runs (restored after). A run allocates
+    millions of short-lived objects (futures, tasks, trajectories) while hundreds of thousands stay alive,
+    and the default thresholds (a young collection every 700 allocations, full ones scanning every live
+    object) took a third of a 1024-accelerator run. Objects alive before the run are frozen out of the
+    collector's generations; cycles are still collected, every `threshold` allocations."""
+    old = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(threshold, 50, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
+
+
 def run(sim: SimConfig, controller_config, *, num_devices: int, logdir: str,
         shape_sampler=None) -> tuple[dict, Any, SimBackend]:
     """Runs the controller on the simulator to its last step: (summary, controller, backend).
@@ -1137,7 +1294,8 @@ def run(sim: SimConfig, controller_config, *, num_devices: int, logdir: str,
     loop = backend.loop
     try:
         asyncio.set_event_loop(loop)
-        summary = loop.run_until_complete(controller.run())
+        with rare_collections():
+            summary = loop.run_until_complete(controller.run())
     finally:
         try:  # what the controller left running (e.g. a decoupled ref pass) is cancelled, as asyncio.run does
             pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
