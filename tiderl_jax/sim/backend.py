@@ -211,7 +211,7 @@ class _Seq:
 
 
 class _Replica:
-    """A continuous-batching server on `tp` devices (state; `SimBackend._wake` / `_start` run it on the
+    """A continuous-batching server on `tp` devices (state; `SimBackend._wake` runs it on the
     backend's event heap).
 
     Running sequences are kept lazily, so an event costs O(log B) plus the turns it ends, not O(B):
@@ -228,8 +228,8 @@ class _Replica:
 
     __slots__ = ("rid", "devices", "capacity", "version", "pending", "queue", "running", "steps", "ends",
                  "maxends", "ctx_base", "vlog", "used", "cache", "cache_pages", "pinned", "footprints", "live",
-                 "prompts", "alive", "borrowed", "busy", "retry", "arrivals", "wake_at", "span", "w_step", "w_last", "w_prev",
-                 "w_chunks", "w_dur", "__dict__")
+                 "prompts", "alive", "borrowed", "busy", "retry", "arrivals", "wake_at", "span", "w_step",
+                 "w_last", "w_prev", "w_chunks", "w_dur", "__dict__")
 
     def __init__(self, rid: int, devices: tuple, capacity: int):
         self.rid, self.devices, self.capacity = rid, devices, capacity  # capacity in pages
@@ -320,7 +320,9 @@ class SimBackend:
         self._finished: collections.deque[int] = collections.deque(maxlen=config.finished_window)
         self._window: tuple[int, ...] = ()  # `_finished` at the last refresh: what the estimate reads
         self._finishes = 0
-        self._remaining_turns: dict[int, float] = {}
+        self._remaining_turns: dict[int, float] = {}  # turns done -> CTB's footprint margin (`_footprint`)
+        self._ctb = self.kv_mode == "ctb"
+        self._busy_lane = False  # replica events add busy time to the rollout lane (`attach`, lanes not shared)
         self._mean_latency = self.workload.env_latency_s.mean()
         self._ref_lock: asyncio.Lock | None = None  # created on the loop in start()
         self.metrics = None
@@ -357,6 +359,7 @@ class SimBackend:
     def attach(self, metrics) -> None:
         """Exact busy accounting per replica into the controller's `RunMetrics` (module docstring)."""
         self.metrics = metrics
+        self._busy_lane = metrics is not None and not self._shared
 
     # ---------------------------------------------------------------- the interface
 
@@ -386,7 +389,8 @@ class SimBackend:
             if r.busy:
                 end = self._walk(r, now)
                 self._events += r.w_chunks - 1
-                self._add_busy(r, r.w_dur - (end - r.w_prev))
+                if self._busy_lane:
+                    self._add_busy(r, r.w_dur - (end - r.w_prev))
         if self._armed is not None:
             self._armed.cancel()
             self._armed = None
@@ -770,16 +774,13 @@ class SimBackend:
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.ps)
 
-    def _expected_remaining(self, turns_done: int) -> float:
-        cached = self._remaining_turns.get(turns_done)
-        if cached is None:
-            cached = ctb.expected_remaining_turns(turns_done, self._window, self.workload.max_turns)
-            self._remaining_turns[turns_done] = cached
-        return cached
-
     def _footprint(self, seq: _Seq) -> int:
-        margin = max(1.0, self._expected_remaining(seq.turn))
-        return ctb.estimate_footprint(seq.ctx, seq.turn, seq.tokens_added, initial_growth=self.cfg.initial_growth,
+        turn = seq.turn
+        margin = self._remaining_turns.get(turn)  # max(1, expected remaining turns), per turns done
+        if margin is None:
+            margin = self._remaining_turns[turn] = max(
+                1.0, ctb.expected_remaining_turns(turn, self._window, self.workload.max_turns))
+        return ctb.estimate_footprint(seq.ctx, turn, seq.tokens_added, initial_growth=self.cfg.initial_growth,
                                       margin_turns=margin)
 
     def _free(self, r: _Replica) -> int:
@@ -820,10 +821,10 @@ class SimBackend:
             s.kv_pages = 0
             self.counters["ctb_evictions"] += 1
 
-    def _admit(self, r: _Replica) -> list[_Seq]:
-        """Sequences from the queue that start a turn now (FIFO, no overtaking)."""
-        admitted = []
-        ctb_mode = self.kv_mode == "ctb"
+    def _admit(self, r: _Replica) -> float:
+        """Starts the turns of the queue's sequences that fit now (FIFO, no overtaking); returns the seconds
+        of their prefill."""
+        ctb_mode = self._ctb
         budget = r.capacity * self.ps
         while r.pending:  # CTB task-level admission on the footprint estimate (first come, first served)
             s = r.pending[0]
@@ -837,6 +838,8 @@ class SimBackend:
         ps = self.ps
         queue, running, max_batch = r.queue, r.running, self.cfg.max_batch
         prompt_tokens = cached_tokens = prefill_tokens = 0
+        pairs = 0.0
+        ends, maxends, push = r.ends, r.maxends, heapq.heappush
         while queue and len(running) < max_batch:
             s = queue[0]
             need = -(-(s.ctx + s.left) // ps) - s.kv_pages  # pages to the end of the turn
@@ -875,10 +878,12 @@ class SimBackend:
                         r.prompts[s.gid] = p = [r.version, 0]
                     p[1] += 1
             ctx = s.ctx
-            s.new_tokens = ctx - cached
+            new = ctx - cached
+            s.new_tokens = 0  # prefilled by this event
             prompt_tokens += ctx
             cached_tokens += cached
-            prefill_tokens += ctx - cached
+            prefill_tokens += new
+            pairs += new * cached + new * (new + 1) / 2
             r.used += need
             s.kv_pages += need
             steps = r.steps
@@ -887,16 +892,16 @@ class SimBackend:
             s.run = n = self._admissions
             self._admissions = n + 1
             r.ctx_base += ctx - steps
-            heapq.heappush(r.ends, (end, n, s))
-            heapq.heappush(r.maxends, (-end, n, s))
+            push(ends, (end, n, s))
+            push(maxends, (-end, n, s))
             running[s] = None
-            admitted.append(s)
-        if admitted:
-            c = self.counters
-            c["prompt_tokens"] += prompt_tokens
-            c["prompt_tokens_cached"] += cached_tokens
-            c["prefill_tokens"] += prefill_tokens
-        return admitted
+        if not prompt_tokens:
+            return 0.0
+        c = self.counters
+        c["prompt_tokens"] += prompt_tokens
+        c["prompt_tokens_cached"] += cached_tokens
+        c["prefill_tokens"] += prefill_tokens
+        return self._prefill_time(prefill_tokens, cached_tokens, pairs)
 
     # ---------------------------------------------------------------- serving
 
@@ -906,16 +911,11 @@ class SimBackend:
         bytes_moved = self._param_bytes + self._kv_bytes * (context_tokens + batch)
         return max(flops / self._flops_rate, bytes_moved / self._bytes_rate)
 
-    def _prefill_time(self, seqs: list[_Seq]) -> float:
+    def _prefill_time(self, n: int, c: int, pairs: float) -> float:
+        """One batched prefill of `n` new tokens over `c` cached ones, `pairs` causal attention pairs in all
+        (sum over sequences of new * cached + new * (new + 1) / 2)."""
         if self.measured is not None:
-            n = sum(s.new_tokens for s in seqs)
             return self.measured.prefill_fixed_s + self.measured.prefill_per_token_s * n if n else 0.0
-        n = c = pairs = 0.0
-        for s in seqs:
-            new, cached = s.new_tokens, s.ctx - s.new_tokens
-            n += new
-            c += cached
-            pairs += new * cached + new * (new + 1) / 2
         if n == 0:
             return 0.0
         flops = 2.0 * self._matmul_params * n + self._attn_per_pair * pairs
@@ -924,7 +924,9 @@ class SimBackend:
 
     def _wake(self, r: _Replica) -> None:
         """`r` at a chunk boundary (`wake_at`): what arrived meanwhile joins the queue, the span's events
-        end (their turns end, each at its own step), and the next span starts."""
+        end (their turns end, each at its own step), then what fits is admitted and the next span starts:
+        the new sequences' prefill and K decode steps of all, event after event until one ends a turn or
+        something arrives (`_walk`); idle without running sequences."""
         now = self.loop._now
         if now != r.wake_at or not r.alive:  # stale: re-timed (`_cut`, `_rescale_rollout`) or moved away
             return
@@ -932,34 +934,28 @@ class SimBackend:
         arrivals = r.arrivals
         if arrivals and arrivals[0][0] <= now:  # (before the turns below add their environment returns)
             pending, queue = r.pending, r.queue
-            ctb_mode = self.kv_mode == "ctb"
+            ctb_mode = self._ctb
             pop = heapq.heappop
             while arrivals and arrivals[0][0] <= now:
                 s = pop(arrivals)[2]
                 (pending if ctb_mode and not s.admitted else queue).append(s)
-        if r.busy:
+        busy = r.busy
+        if busy:  # (it stays busy if it goes on: no zero-length idle gap)
             self._events += r.w_chunks
-            self._busy_end(r, r.w_dur)
+            if self._busy_lane:
+                self._add_busy(r, r.w_dur)
             r.steps = last = r.w_step
             ends = r.ends
             if ends and ends[0][0] <= last:  # turns of the span's last event (none end before it)
                 start, prefill, first, step = r.w_last
                 start += prefill
+                pop = heapq.heappop
                 while ends and ends[0][0] <= last:
-                    end, _, s = heapq.heappop(ends)
+                    end, _, s = pop(ends)
                     self._retire(r, s)
                     self._turn_end(r, s, start + (end - first) * step)
-        self._start(r)
-
-    def _start(self, r: _Replica) -> None:
-        """Admits what fits, then a span of events (`_walk`): the new sequences' prefill and K decode
-        steps of all, event after event until one ends a turn or something arrives; idle without
-        running sequences."""
         if r.queue or r.pending:
-            new = self._admit(r)
-            prefill = self._prefill_time(new) if new else 0.0
-            for s in new:
-                s.new_tokens = 0
+            prefill = self._admit(r)
             if self._host_jobs:  # measured costs, cores shared with a train / ref job
                 prefill *= self.measured.rollout_overlap_x
         else:
@@ -967,8 +963,10 @@ class SimBackend:
         B = len(r.running)
         if not B:  # idle until something arrives
             r.retry = False
-            if r.arrivals:
-                self._schedule(r, r.arrivals[0][0])
+            if busy:
+                self._busy_end(r, 0.0)
+            if arrivals:
+                self._schedule(r, arrivals[0][0])
             return
         maxends = r.maxends
         while maxends[0][1] != maxends[0][2].run:  # sequences no longer running
@@ -976,18 +974,20 @@ class SimBackend:
         steps = r.steps
         if r.vlog[-1][1] != r.version:
             r.vlog.append((steps, r.version))
-        now = self.loop._now
         r.span = (now, prefill, steps, B, r.ctx_base, -maxends[0][0], r.ends[0][0])
         if r.retry:
             r.retry = False
             end = self._walk(r, now)
         else:
-            end = self._walk(r, r.arrivals[0][0] if r.arrivals else _INF)
-        r.busy = True
-        self._busy_replicas += 1
-        if self._busy_replicas == 1:
-            self._busy_first()
-        self._schedule(r, end)
+            end = self._walk(r, arrivals[0][0] if arrivals else _INF)
+        if not busy:
+            r.busy = True
+            self._busy_replicas += 1
+            if self._busy_replicas == 1:
+                self._busy_first()
+        r.wake_at = end  # (`_drive` runs this: no loop timer to arm)
+        self._order += 1
+        heapq.heappush(self._heap, (end, self._order, self._wake, r))
 
     def _walk(self, r: _Replica, until: float) -> float:
         """Times the events of `r`'s span (`r.span`) up to the first that ends after `until` or ends a
@@ -1071,6 +1071,10 @@ class SimBackend:
         self._decode_tokens += k
         versions, a, hi = s.versions, s.start, s.start + k
         vlog = r.vlog
+        at, v = vlog[-1]
+        if at <= a:  # one version all turn
+            versions[v] = versions.get(v, 0) + k
+            return
         for i in range(len(vlog) - 1, -1, -1):
             at, v = vlog[i]
             if hi > at:
@@ -1108,8 +1112,8 @@ class SimBackend:
                     if at > limit or ready:
                         break
                     loop._now = now = at
-                fn, arg = pop(heap)[2:]
-                fn(arg)
+                entry = pop(heap)
+                entry[2](entry[3])
         finally:
             self._driving = False
         if heap:
@@ -1125,8 +1129,8 @@ class SimBackend:
         latency = shape.env_latency_s[turn]
         s.turn = turn + 1
         s.left = shape.gen_tokens[turn + 1]
-        if self.kv_mode == "ctb":  # KV kept and pinned; the reservation shrinks to the context
-            keep = self._pages(s.ctx)
+        if self._ctb:  # KV kept and pinned; the reservation shrinks to the context
+            keep = -(-s.ctx // self.ps)
             r.used -= s.kv_pages - keep
             s.kv_pages = keep
             s.pinned = True
@@ -1148,7 +1152,7 @@ class SimBackend:
         at += latency
         now = self.loop._now
         self._order += 1
-        heapq.heappush(r.arrivals, (at if at > now else now, self._order, s))  # `_start` schedules its wake
+        heapq.heappush(r.arrivals, (at if at > now else now, self._order, s))  # `_wake` schedules its wake
 
     def _finish(self, r: _Replica, s: _Seq) -> None:
         r.used -= s.kv_pages
@@ -1176,15 +1180,15 @@ class SimBackend:
     # ---------------------------------------------------------------- busy accounting
 
     def _add_busy(self, r: _Replica, seconds: float) -> None:
-        """`seconds` of events of `r` into the rollout lane's busy time (with `attach`, lanes not shared)."""
+        """`seconds` of events of `r` into the rollout lane's busy time (`_busy_lane`: with `attach`, lanes
+        not shared)."""
         m = self.metrics
-        if m is not None and not self._shared:
-            if r.borrowed:  # train devices doing rollout work: the train lane's busy time
-                m.busy_device_s["train"] += seconds * self._replica_devices
-            else:
-                n = self._rollout_devices or 1
-                m.busy_device_s["rollout"] += seconds * self._replica_devices
-                m.busy_s["rollout"] += seconds * self._replica_devices / n
+        if r.borrowed:  # train devices doing rollout work: the train lane's busy time
+            m.busy_device_s["train"] += seconds * self._replica_devices
+        else:
+            n = self._rollout_devices or 1
+            m.busy_device_s["rollout"] += seconds * self._replica_devices
+            m.busy_s["rollout"] += seconds * self._replica_devices / n
 
     def _busy_first(self) -> None:
         """The first busy replica of the pool (`_start_event` counts them): a rollout span opens."""
@@ -1201,7 +1205,8 @@ class SimBackend:
             return
         r.busy = False
         self._busy_replicas -= 1
-        self._add_busy(r, seconds)
+        if self._busy_lane:
+            self._add_busy(r, seconds)
         m = self.metrics
         if self._busy_replicas == 0:
             if self._flip is not None:
