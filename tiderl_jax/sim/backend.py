@@ -217,7 +217,8 @@ class _Replica:
     Running sequences are kept lazily, so an event costs O(log B) plus the turns it ends, not O(B):
     every running sequence advances by the event's K tokens, so the replica counts decode `steps` and
     a sequence's turn ends at step `start + left`; `ends` (min-heap) yields the turns an event ends,
-    `maxends` (max-heap, stale entries skipped) the longest remaining turn for K, and the context sum
+    `maxend` the step the longest turn ends at, for K (turns end in step order, so it only grows while any
+    sequence runs: the one that ends last is the last to leave), and the context sum
     is `ctx_base + len(running) * steps`. `vlog` lists (step, version) where the weights changed, so
     a turn's tokens per version are counted when it ends.
 
@@ -227,7 +228,7 @@ class _Replica:
     first chunk boundary after they arrive, as if queued at once."""
 
     __slots__ = ("rid", "devices", "capacity", "version", "pending", "queue", "running", "steps", "ends",
-                 "maxends", "ctx_base", "vlog", "used", "cache", "cache_pages", "pinned", "footprints", "live",
+                 "maxend", "ctx_base", "vlog", "used", "cache", "cache_pages", "pinned", "footprints", "live",
                  "prompts", "alive", "borrowed", "busy", "retry", "arrivals", "wake_at", "span", "w_step",
                  "w_last", "w_prev", "w_chunks", "w_dur", "__dict__")
 
@@ -239,7 +240,7 @@ class _Replica:
         self.running: dict[_Seq, None] = {}  # insertion order = admission order
         self.steps = 0  # decode steps done
         self.ends: list = []  # (step its turn ends at, admission number, seq)
-        self.maxends: list = []  # (-end, admission number, seq); entries of sequences no longer running skipped
+        self.maxend = 0  # the latest step a running sequence's turn ends at
         self.ctx_base = 0  # sum over running of (context at admission - step at admission)
         self.vlog: list[tuple[int, int]] = [(0, 0)]  # (decode step, version from that step on)
         self.used = 0  # pages held by running (reserved to the turn's end) and pinned sequences
@@ -733,7 +734,12 @@ class SimBackend:
     def _set_live(self, r: _Replica, delta: int) -> None:
         r.live += delta
         if r.alive:
-            heapq.heappush(self._load, (r.live, r.rid, r))
+            load = self._load
+            if len(load) > 4 * len(self.replicas) + 64:  # stale entries sink and stay: rebuilt from the replicas
+                load = self._load = [(q.live, q.rid, q) for q in self.replicas.values()]
+                heapq.heapify(load)
+            else:
+                heapq.heappush(load, (r.live, r.rid, r))
 
     def _place(self, seq: _Seq) -> None:
         if not self.replicas:  # every rollout replica is lent out (BiDiRL): it waits for their return
@@ -839,7 +845,7 @@ class SimBackend:
         queue, running, max_batch = r.queue, r.running, self.cfg.max_batch
         prompt_tokens = cached_tokens = prefill_tokens = 0
         pairs = 0.0
-        ends, maxends, push = r.ends, r.maxends, heapq.heappush
+        ends, push = r.ends, heapq.heappush
         while queue and len(running) < max_batch:
             s = queue[0]
             need = -(-(s.ctx + s.left) // ps) - s.kv_pages  # pages to the end of the turn
@@ -893,7 +899,8 @@ class SimBackend:
             self._admissions = n + 1
             r.ctx_base += ctx - steps
             push(ends, (end, n, s))
-            push(maxends, (-end, n, s))
+            if end > r.maxend or not running:
+                r.maxend = end
             running[s] = None
         if not prompt_tokens:
             return 0.0
@@ -968,13 +975,10 @@ class SimBackend:
             if arrivals:
                 self._schedule(r, arrivals[0][0])
             return
-        maxends = r.maxends
-        while maxends[0][1] != maxends[0][2].run:  # sequences no longer running
-            heapq.heappop(maxends)
         steps = r.steps
         if r.vlog[-1][1] != r.version:
             r.vlog.append((steps, r.version))
-        r.span = (now, prefill, steps, B, r.ctx_base, -maxends[0][0], r.ends[0][0])
+        r.span = (now, prefill, steps, B, r.ctx_base, r.maxend, r.ends[0][0])
         if r.retry:
             r.retry = False
             end = self._walk(r, now)
@@ -1273,7 +1277,7 @@ def make_controller(sim: SimConfig, controller_config, *, num_devices: int, logd
 
 
 @contextlib.contextmanager
-def rare_collections(threshold: int = 100_000):
+def rare_collections(threshold: int = 1_000_000):
     """Python's cyclic garbage collector made rare while a simulation runs (restored after). A run allocates
     millions of short-lived objects (futures, tasks, trajectories) while hundreds of thousands stay alive,
     and the default thresholds (a young collection every 700 allocations, full ones scanning every live
@@ -1282,7 +1286,7 @@ def rare_collections(threshold: int = 100_000):
     old = gc.get_threshold()
     gc.collect()
     gc.freeze()
-    gc.set_threshold(threshold, 50, 100)
+    gc.set_threshold(threshold, 20, 100)
     try:
         yield
     finally:
