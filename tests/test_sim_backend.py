@@ -141,15 +141,19 @@ def test_shared_cores_slow_overlapping_work(tmp_path):
         _measured(rollout_overlap_x=0.5)
 
 
-@pytest.mark.parametrize("mode,sim", [
-    ("tiderl", SimConfig()), ("async", SimConfig()), ("sync", SimConfig()),
-    ("tiderl", SimConfig(kv_pages=600)),  # KV-bound: blocked admissions, CTB evictions
-    ("async", SimConfig(kv_pages=600, decode_chunk=4)),
-    ("tiderl", SimConfig(tp=0, kv_pages=4096, measured=_measured(rollout_overlap_x=3.0, train_overlap_x=1.5)))])
-def test_event_spans_time_every_event_as_its_own_heap_entry(tmp_path, monkeypatch, mode, sim):
+BORROW = dict(bidirl=True, rollout_groups=1, ref_groups=0, train_groups=3)  # the rollout borrows train devices
+
+
+@pytest.mark.parametrize("mode,sim,kw", [
+    ("tiderl", SimConfig(), {}), ("async", SimConfig(), {}), ("sync", SimConfig(), {}),
+    ("tiderl", SimConfig(kv_pages=600), {}),  # KV-bound: blocked admissions, CTB evictions
+    ("async", SimConfig(kv_pages=600, decode_chunk=4), {}),
+    ("tiderl", SimConfig(tp=0, kv_pages=4096, measured=_measured(rollout_overlap_x=3.0, train_overlap_x=1.5)), {}),
+    ("async", SimConfig(switch_fixed_s=0.0), dict(BORROW, steps=5))])
+def test_event_spans_time_every_event_as_its_own_heap_entry(tmp_path, monkeypatch, mode, sim, kw):
     # reference: a span of one event (its own heap entry and boundary, the event core before spans);
     # spans of many events between boundaries where a batch can change must give the same run, to the bit
-    kw = dict(steps=4, ers_patience=1, ers_cooldown=0) if mode == "tiderl" else dict(steps=4)
+    kw = {**(dict(steps=4, ers_patience=1, ers_cooldown=0) if mode == "tiderl" else dict(steps=4)), **kw}
     fast, _, _ = _run(tmp_path, mode, sim, name="spans", **kw)
     walk = sim_backend.SimBackend._walk
     monkeypatch.setattr(sim_backend.SimBackend, "_walk", lambda self, r, until: walk(self, r, -np.inf))

@@ -614,9 +614,11 @@ class SimBackend:
             return
         share = sum(r.live for r in self.replicas.values()) // len(self.replicas)
         movable = []
+        now = self.loop._now
         for r in sorted(self.replicas.values(), key=lambda r: -r.live):
             if r.borrowed or r.live <= share:
                 continue
+            self._arrived(r, now)  # (queued at once, as far as this is concerned)
             excess = r.live - share
             for q in (r.pending, r.queue):
                 for s in reversed(list(q)):
@@ -690,9 +692,7 @@ class SimBackend:
                 self._retire(r, s)  # what earlier events wrote
                 orphans.append(s)
             now = self.loop._now
-            while r.arrivals and r.arrivals[0][0] <= now:  # returned: in the queue
-                (r.pending if self.kv_mode == "ctb" and not r.arrivals[0][2].admitted else r.queue).append(
-                    heapq.heappop(r.arrivals)[2])
+            self._arrived(r, now)  # returned: in the queue
             for at, order, s in r.arrivals:  # still in their environment: placed when they return
                 heapq.heappush(self._heap, (at, order, self._env_return, s))
                 if not self._driving:
@@ -940,12 +940,7 @@ class SimBackend:
         r.wake_at = _INF
         arrivals = r.arrivals
         if arrivals and arrivals[0][0] <= now:  # (before the turns below add their environment returns)
-            pending, queue = r.pending, r.queue
-            ctb_mode = self._ctb
-            pop = heapq.heappop
-            while arrivals and arrivals[0][0] <= now:
-                s = pop(arrivals)[2]
-                (pending if ctb_mode and not s.admitted else queue).append(s)
+            self._arrived(r, now)
         busy = r.busy
         if busy:  # (it stays busy if it goes on: no zero-length idle gap)
             self._events += r.w_chunks
@@ -992,6 +987,14 @@ class SimBackend:
         r.wake_at = end  # (`_drive` runs this: no loop timer to arm)
         self._order += 1
         heapq.heappush(self._heap, (end, self._order, self._wake, r))
+
+    def _arrived(self, r: _Replica, now: float) -> None:
+        """What arrived at `r` by `now` joins its queue (CTB: a task not admitted yet, task admission's)."""
+        arrivals, pending, queue, ctb_mode = r.arrivals, r.pending, r.queue, self._ctb
+        pop = heapq.heappop
+        while arrivals and arrivals[0][0] <= now:
+            s = pop(arrivals)[2]
+            (pending if ctb_mode and not s.admitted else queue).append(s)
 
     def _walk(self, r: _Replica, until: float) -> float:
         """Times the events of `r`'s span (`r.span`) up to the first that ends after `until` or ends a
@@ -1195,7 +1198,7 @@ class SimBackend:
             m.busy_s["rollout"] += seconds * self._replica_devices / n
 
     def _busy_first(self) -> None:
-        """The first busy replica of the pool (`_start_event` counts them): a rollout span opens."""
+        """The first busy replica of the pool (`_wake` counts them): a rollout span opens."""
         if self._flip is not None:
             self._rollout_flipped()
         if self.metrics is not None:
