@@ -149,7 +149,8 @@ BORROW = dict(bidirl=True, rollout_groups=1, ref_groups=0, train_groups=3)  # th
     ("tiderl", SimConfig(kv_pages=600), {}),  # KV-bound: blocked admissions, CTB evictions
     ("async", SimConfig(kv_pages=600, decode_chunk=4), {}),
     ("tiderl", SimConfig(tp=0, kv_pages=4096, measured=_measured(rollout_overlap_x=3.0, train_overlap_x=1.5)), {}),
-    ("async", SimConfig(switch_fixed_s=0.0), dict(BORROW, steps=5))])
+    ("async", SimConfig(switch_fixed_s=0.0), dict(BORROW, steps=5)),
+    ("sync", SimConfig(workload="bidirl-math", war_speculation=True), {})])
 def test_event_spans_time_every_event_as_its_own_heap_entry(tmp_path, monkeypatch, mode, sim, kw):
     # reference: a span of one event (its own heap entry and boundary, the event core before spans);
     # spans of many events between boundaries where a batch can change must give the same run, to the bit
@@ -162,3 +163,35 @@ def test_event_spans_time_every_event_as_its_own_heap_entry(tmp_path, monkeypatc
         assert fast[key] == ref[key], key
     for key in ("rollout_wait_s", "trainer_wait_s"):  # busy seconds summed per span instead of per event
         assert fast[key] == pytest.approx(ref[key], rel=1e-9, abs=1e-9), key
+
+
+def test_war_speculation_follows_the_rule_and_speeds_up_small_batches(tmp_path):
+    from tiderl_jax.policies import war
+    backend = sim_backend.SimBackend(SimConfig(war_speculation=True), mode="sync", pool=None, num_devices=8)
+    ctx = 4096.0
+    t1 = backend._decode_step(1, ctx)
+    # batch 1 is memory-bound: verifying 4 drafts + 1 reads the weights and the context once, like a
+    # decode step, and emits 2 tokens: about half the time per token
+    flops = 2.0 * backend.shape.matmul_params * 5 + costs.attention_flops(backend.shape, 1.0) * ctx * 5
+    moved = backend.shape.param_bytes + costs.kv_bytes_per_token(backend.shape) * (ctx + 5)
+    t_spec = max(flops / backend._flops_rate, moved / backend._bytes_rate)
+    assert backend._spec_step(1, ctx, t1) == pytest.approx(war.use_speculation(1, t_spec, 2.0, t1).spec_s_per_token)
+    assert backend._spec_step(1, ctx, t1) < 0.6 * t1
+    # above WAR's batch bound the switch stays off
+    t32 = backend._decode_step(32, ctx * 32)
+    assert backend._spec_step(32, ctx * 32, t32) == t32
+    # a long-tailed synchronous workload: its tail runs at small batches, and the run gets faster
+    off, _, _ = _run(tmp_path, "sync", SimConfig(workload="bidirl-math"), name="off")
+    on, _, _ = _run(tmp_path, "sync", SimConfig(workload="bidirl-math", war_speculation=True), name="on")
+    assert on["goodput_tokens_per_s"] > 1.1 * off["goodput_tokens_per_s"]
+    assert on["sim"]["decode_tokens"] == off["sim"]["decode_tokens"]  # the same tokens, sooner
+
+
+def test_sync_counts_replicas_idle_in_a_batch_tail_as_rollout_waiting(tmp_path):
+    summary, controller, _ = _run(tmp_path, "sync")
+    m = controller.metrics
+    assert m.idle_in_spans["rollout"] > 0  # replicas done with their share while others still generate
+    spans_only = m.waiting()["rollout"] - m.idle_in_spans["rollout"]
+    assert summary["rollout_wait_s"] == pytest.approx(spans_only + m.idle_in_spans["rollout"])
+    # each device once: waiting never exceeds the devices held over the run
+    assert summary["rollout_wait_s"] + summary["trainer_wait_s"] <= DEVICES * summary["wall_s"] + 1e-6

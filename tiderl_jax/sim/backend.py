@@ -116,7 +116,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tiderl_jax.agents.trajectory import Trajectory
-from tiderl_jax.policies import ctb
+from tiderl_jax.policies import ctb, war
 from tiderl_jax.runtime.pool import DevicePool, lanes_of, split_devices
 from tiderl_jax.sim import clock as clock_lib
 from tiderl_jax.sim import costs, hardware, workloads
@@ -146,6 +146,13 @@ class SimConfig:
     switch_fixed_s: float = 3.0  # device move fixed part (BiDiRL reports a few seconds)
     optimizer_bytes_per_param: float = 8.0  # Adam m and v in fp32: train state beyond the bf16 weights
     seed: int = 0  # task shapes: rng seeded by (seed, group)
+    # WAR speculative decoding (policies.war.use_speculation per event; roofline costs only): a
+    # model-free drafter proposes `spec_draft_tokens`, one verify step scores them all, and emits
+    # `spec_accepted_tokens` per sequence on average (accepted drafts + 1). Both ours: WAR's record
+    # gives the rule and the batch bound (war.SPEC_MAX_BATCH), not the acceptance.
+    war_speculation: bool = False
+    spec_draft_tokens: int = 4
+    spec_accepted_tokens: float = 2.0
 
     def __post_init__(self):
         workloads.workload(self.workload)
@@ -160,6 +167,9 @@ class SimConfig:
         for name in ("kv_pages", "initial_growth", "sync_fixed_s", "switch_fixed_s", "optimizer_bytes_per_param"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 0")
+        if self.spec_draft_tokens < 1 or not 1.0 <= self.spec_accepted_tokens <= self.spec_draft_tokens + 1:
+            raise ValueError(f"SimConfig: spec_draft_tokens={self.spec_draft_tokens} must be >= 1 and "
+                             f"spec_accepted_tokens={self.spec_accepted_tokens} in [1, spec_draft_tokens + 1]")
 
 
 @dataclasses.dataclass
@@ -324,6 +334,9 @@ class SimBackend:
         self._remaining_turns: dict[int, float] = {}  # turns done -> CTB's footprint margin (`_footprint`)
         self._ctb = self.kv_mode == "ctb"
         self._busy_lane = False  # replica events add busy time to the rollout lane (`attach`, lanes not shared)
+        self._span_lane = False  # shared lanes (sync): replica busy time is summed per rollout span instead
+        self._span_busy = 0.0  # device-seconds of replica events in the open rollout span
+        self._spec = config.war_speculation and config.measured is None
         self._mean_latency = self.workload.env_latency_s.mean()
         self._ref_lock: asyncio.Lock | None = None  # created on the loop in start()
         self.metrics = None
@@ -361,6 +374,7 @@ class SimBackend:
         """Exact busy accounting per replica into the controller's `RunMetrics` (module docstring)."""
         self.metrics = metrics
         self._busy_lane = metrics is not None and not self._shared
+        self._span_lane = metrics is not None and self._shared
 
     # ---------------------------------------------------------------- the interface
 
@@ -946,6 +960,8 @@ class SimBackend:
             self._events += r.w_chunks
             if self._busy_lane:
                 self._add_busy(r, r.w_dur)
+            elif self._span_lane:
+                self._span_busy += r.w_dur * self._replica_devices
             r.steps = last = r.w_step
             ends = r.ends
             if ends and ends[0][0] <= last:  # turns of the span's last event (none end before it)
@@ -1014,6 +1030,7 @@ class SimBackend:
         if m is None:
             attn, decode_flops, flops_rate = self._attn_per_pair, self._decode_flops * B, self._flops_rate
             param_bytes, kv_bytes, bytes_rate = self._param_bytes, self._kv_bytes, self._bytes_rate
+            spec, spec_max = self._spec, war.SPEC_MAX_BATCH
             while True:
                 K = maxend - steps
                 if K > chunk:
@@ -1024,6 +1041,8 @@ class SimBackend:
                 b = (param_bytes + kv_bytes * (context + B)) / bytes_rate
                 if b > step:
                     step = b
+                if spec and B <= spec_max:  # WAR: seconds per emitted token with a verify step, if it pays
+                    step = self._spec_step(B, context, step)
                 d = prefill + K * step
                 prev = t
                 t += d
@@ -1048,6 +1067,16 @@ class SimBackend:
             steps += K
         r.w_step, r.w_last, r.w_prev, r.w_chunks, r.w_dur = steps, (prev, prefill, first, step), prev, n, dur
         return t
+
+    def _spec_step(self, B: int, context: float, t_decode: float) -> float:
+        """WAR's switch (`war.use_speculation`) for one event: a verify step scores `spec_draft_tokens` + 1
+        tokens of each of the B sequences over the same context (roofline) and emits
+        `spec_accepted_tokens` of them; returns the seconds per emitted token, with or without it."""
+        n = B * (self.cfg.spec_draft_tokens + 1)
+        flops = self._decode_flops * n + self._attn_per_pair * context * (self.cfg.spec_draft_tokens + 1)
+        t_spec = max(flops / self._flops_rate, (self._param_bytes + self._kv_bytes * (context + n)) / self._bytes_rate)
+        decision = war.use_speculation(B, t_spec, self.cfg.spec_accepted_tokens, t_decode)
+        return decision.spec_s_per_token if decision.use else t_decode
 
     def _cut(self, r: _Replica, at: float) -> None:
         """The span in flight on `r` ends with its first event that ends after `at` (something arrived,
@@ -1214,6 +1243,8 @@ class SimBackend:
         self._busy_replicas -= 1
         if self._busy_lane:
             self._add_busy(r, seconds)
+        elif self._span_lane:
+            self._span_busy += seconds * self._replica_devices
         m = self.metrics
         if self._busy_replicas == 0:
             if self._flip is not None:
@@ -1224,6 +1255,10 @@ class SimBackend:
                 if self._shared:
                     m.busy_device_s["rollout"] += (end - start) * m.devices.get("rollout", 0)
                     m.busy_s["rollout"] += end - start
+                    # replicas that had nothing to run while others generated (a batch's tail)
+                    idle = (end - start) * m.devices.get("rollout", 0) - self._span_busy
+                    m.idle_in_spans["rollout"] += max(0.0, idle)
+                    self._span_busy = 0.0
             elif self._span_ctx is not None:
                 ctx, self._span_ctx = self._span_ctx, None
                 ctx.__exit__(None, None, None)
