@@ -82,6 +82,11 @@ What is modelled (all parameters in `SimConfig`, each a documented default):
     brings the weights back; the replicas return empty.
   Busy device-seconds go to the lane that owns the devices (borrowed replicas' events to the train
   lane, a borrowed train step to the rollout lane).
+- **WAR speculative decoding** (`war_speculation`, modes `+war` of launch/simulate.py; roofline
+  costs): per event, a verify step of `spec_draft_tokens` + 1 tokens per sequence (its roofline over
+  the same context) emitting `spec_accepted_tokens` replaces the decode step when
+  `war.use_speculation` says it pays (batch <= 16 and less time per emitted token). The drafter's own
+  time is taken as nil (WAR's is model-free: suffix trees on the host).
 
 **Measured costs** (`SimConfig.measured`, `costs.MeasuredCosts`; benchmarks/sim_validation.py): per-op
 times measured on a host replace the roofline (no scaling with device counts: fake devices that share
@@ -94,8 +99,9 @@ Busy time (MECHANISMS.md §9 waiting): with `attach(metrics)`, each replica even
 `seconds * tp` busy device-seconds to the rollout lane (replicas idle while others work count as
 waiting), wall busy seconds add `seconds * tp / rollout devices` (the mean replica's busy time, what
 ERS scales with device count), and the timeline gets one span while any replica is busy. In sync
-mode (shared lanes) and without `attach`, the rollout lane is busy while any replica is (the
-metric's span definition), which undercounts waiting when replicas idle in a batch's tail.
+mode (shared lanes) the rollout lane is busy while any replica is (the metric's span definition),
+and the device-seconds of replicas idle inside that span (a batch's tail) go to
+`RunMetrics.idle_in_spans`, rollout waiting: each device is counted once either way.
 
 Ours, not the papers': the admission-by-known-turn-length, least-loaded placement, the group-prompt
 sharing rule, the sliding window of finished tasks for CTB's remaining-turns estimate (the last
