@@ -284,8 +284,11 @@ class Controller:
             group.launched, group.finished = len(missing), 0
             self.running += len(missing)
             self.ledger["admitted"] += len(missing)
-            for i in missing:
-                job = asyncio.create_task(self._one_sample(group, i))
+            if hasattr(self.backend, "generate_group"):  # one job per group (the simulator's)
+                jobs = [asyncio.create_task(self._one_group(group, missing))]
+            else:
+                jobs = [asyncio.create_task(self._one_sample(group, i)) for i in missing]
+            for job in jobs:
                 self._sample_tasks.add(job)
                 job.add_done_callback(self._sample_tasks.discard)
 
@@ -295,10 +298,26 @@ class Controller:
         failure the rollout already retried where that is the right thing, or an error here)."""
         try:
             traj = await self.backend.generate(group.task, group.gid, sample, self.cfg.group_size)
-            reason = traj.end_reason if traj.failure else None
         except Exception as e:  # noqa: BLE001 - one sample's error must not stop the run
-            log.warning("sample %d of group %d failed: %s: %s", sample, group.gid, type(e).__name__, e)
-            traj, reason = None, f"error:{type(e).__name__}"
+            traj = e
+        self._sample_done(group, sample, traj)
+
+    async def _one_group(self, group: _Group, samples: list[int]):
+        """`_one_sample` for a backend that generates a group's samples in one call (`generate_group`)."""
+        try:
+            results = await self.backend.generate_group(group.task, group.gid, samples, self.cfg.group_size)
+        except Exception as e:  # noqa: BLE001
+            results = [e] * len(samples)
+        for sample, traj in zip(samples, results):
+            self._sample_done(group, sample, traj)
+
+    def _sample_done(self, group: _Group, sample: int, traj) -> None:
+        """One sample ended (a trajectory, or the exception that ended it)."""
+        if isinstance(traj, Exception):
+            log.warning("sample %d of group %d failed: %s: %s", sample, group.gid, type(traj).__name__, traj)
+            traj, reason = None, f"error:{type(traj).__name__}"
+        else:
+            reason = traj.end_reason if traj.failure else None
         group.finished += 1
         if reason is None:
             group.trajectories.append(traj)

@@ -16,9 +16,10 @@ event (tests/test_sim_backend.py checks a run against that). A span ends with th
 turn ends, or the first that ends after something arrives (an environment return, kept on the
 replica's own `arrivals` heap, or a new task); a new version, CTB's refreshed estimate, or an
 admission that evicted without succeeding end it at the next boundary (`_cut`), because the old
-core tried admission at every event. The only asyncio object per sample is the future `generate`
-awaits (the whole multi-turn trajectory runs in the heap); when a sample ends its future wakes the
-controller and the driver yields back to the loop at that virtual instant. Same-instant order: heap
+core tried admission at every event. The only asyncio object per GRPO group is the future
+`generate_group` awaits (every sample's whole multi-turn trajectory runs in the heap); when the
+group's last sample ends its future wakes the controller and the driver yields back to the loop at
+that virtual instant. Same-instant order: heap
 entries in the order they were pushed; an idle replica that gets work starts once the driver reaches
 that instant (all enqueues of the instant made before then join its first event). `run` makes
 Python's cyclic garbage collector rare while it runs (`rare_collections`).
@@ -196,13 +197,21 @@ class SimTrajectory(Trajectory):
         return dict(self.version_tokens)
 
 
+class _Waiter:
+    """What `generate_group` awaits: its future resolves when `left` reaches 0 (`_finish`)."""
+    __slots__ = ("future", "left")
+
+    def __init__(self, future: asyncio.Future, left: int):
+        self.future, self.left = future, left
+
+
 class _Seq:
     """One task (a GRPO sample) on the rollout side."""
     __slots__ = ("gid", "sample", "shape", "turn", "left", "ctx", "written", "versions", "replica", "future",
                  "pinned", "kv_pages", "footprint", "tokens_added", "wait_started", "new_tokens", "cached",
                  "finish_at", "admitted", "start", "end", "ctx0", "run")
 
-    def __init__(self, gid: int, sample: int, shape: workloads.TaskSample, future: asyncio.Future):
+    def __init__(self, gid: int, sample: int, shape: workloads.TaskSample, future: "_Waiter"):
         self.gid, self.sample, self.shape, self.future = gid, sample, shape, future
         self.turn = 0
         self.left = shape.gen_tokens[0]  # tokens still to write this turn
@@ -419,13 +428,19 @@ class SimBackend:
         self._started = False
 
     async def generate(self, task, group, sample, expected_group_size) -> Trajectory:
-        shape = self._shape(group, sample, expected_group_size)
-        seq = _Seq(group, sample, shape, self.loop.create_future())
-        self._place(seq)
-        await seq.future
-        return SimTrajectory(task.task_id, task.kind, group, info={"sample": sample}, end_reason="answered",
-                             model_tokens=sum(shape.gen_tokens), context_tokens=shape.context_tokens,
-                             version_tokens=seq.versions)
+        return (await self.generate_group(task, group, [sample], expected_group_size))[0]
+
+    async def generate_group(self, task, group, samples, expected_group_size) -> list[Trajectory]:
+        """Samples `samples` of one GRPO group, placed in order; returns when the last one ends (one
+        asyncio future per group: the controller acts on a group only once it is complete)."""
+        waiter = _Waiter(self.loop.create_future(), len(samples))
+        seqs = [_Seq(group, i, self._shape(group, i, expected_group_size), waiter) for i in samples]
+        for seq in seqs:
+            self._place(seq)
+        await waiter.future
+        return [SimTrajectory(task.task_id, task.kind, group, info={"sample": seq.sample}, end_reason="answered",
+                              model_tokens=sum(seq.shape.gen_tokens), context_tokens=seq.shape.context_tokens,
+                              version_tokens=seq.versions) for seq in seqs]
 
     def _shape(self, group: int, sample: int, group_size: int) -> workloads.TaskSample:
         """Sample `sample` of `group`: the group's shapes are drawn together (`sample_tasks`) from an
@@ -1216,8 +1231,10 @@ class SimBackend:
             for q in self.replicas.values():  # the footprints of tasks awaiting admission changed
                 if q.pending and q.busy:
                     self._cut(q, now)
-        if not s.future.done():
-            s.future.set_result(None)
+        w = s.future
+        w.left -= 1
+        if w.left == 0 and not w.future.done():
+            w.future.set_result(None)
 
     # ---------------------------------------------------------------- busy accounting
 
