@@ -224,15 +224,15 @@ def _controller_run(ft: str, steps: int, skip: int, logdir: str) -> tuple[float,
         ledger["admitted"] - ended - c.unfinished()
 
 
-def overhead_scenario(quick: bool, rounds: int = 3) -> list[dict]:
+def overhead_scenario(quick: bool, rounds: int = 3, env_only: bool = False, steps: int = 8) -> list[dict]:
     """Two rows: `overhead` (environments in checkpointed subprocesses and the engine in a worker
     with a standby) and `overhead_env` (only the environments), each against fault tolerance off."""
     import statistics
     import tempfile
-    steps, skip, pairs = (4, 1, 1) if quick else (8, 2, rounds)
+    steps, skip, pairs = (4, 1, 1) if quick else (steps, 2, rounds)
     from tiderl_jax.faults.env_worker import EnvWorker
     EnvWorker().close()  # starts the forkserver (once per run of the system), outside the measurement
-    runs = {"off": [], "env": [], "all": []}
+    runs = {"off": [], "env": []} if env_only else {"off": [], "env": [], "all": []}
     lost = {"off": 0, "env": 0, "all": 0}
     for i in range(pairs):
         for ft in runs:
@@ -244,6 +244,8 @@ def overhead_scenario(quick: bool, rounds: int = 3) -> list[dict]:
     base = statistics.median(x[0] for x in runs["off"])
     rows = []
     for ft, name in (("all", "overhead"), ("env", "overhead_env")):
+        if ft not in runs:
+            continue
         rec = statistics.median(x[0] for x in runs[ft])
         rows.append(dict(scenario=name, recovery_s=rec, baseline_s=base, speedup=base / rec,
                          tasks_lost=lost[ft] + lost["off"],
@@ -260,6 +262,8 @@ def main():
                    help="let workers use the persistent compile cache (a warm cold start)")
     p.add_argument("--only", choices=("engine", "environment", "overhead"))
     p.add_argument("--rounds", type=int, default=3, help="overhead: interleaved rounds of off / env / all")
+    p.add_argument("--env-only", action="store_true", help="overhead: only the overhead_env row (off / env rounds)")
+    p.add_argument("--steps", type=int, default=8, help="overhead: updates per run (the first 2 are not timed)")
     args = p.parse_args()
     rows = []
     if args.only in (None, "environment"):
@@ -267,7 +271,7 @@ def main():
     if args.only in (None, "engine"):
         rows.append(engine_scenario(args.quick, args.compile_cache))
     if args.only in (None, "overhead"):
-        rows += overhead_scenario(args.quick, args.rounds)
+        rows += overhead_scenario(args.quick, args.rounds, args.env_only, args.steps)
     print(f"\n{'scenario':<13}{'recovery_s':>12}{'baseline_s':>12}{'speedup':>9}{'tasks_lost':>12}")
     for r in rows:
         print(f"{r['scenario']:<13}{r['recovery_s']:>12.3f}{r['baseline_s']:>12.3f}{r['speedup']:>8.1f}x"

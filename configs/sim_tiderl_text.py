@@ -7,6 +7,8 @@ batch scales with the devices (prompts_per_step * size / the preset's 32 devices
 preset's size). Device layouts are those of benchmarks/goodput.py, in device groups of one 8-GPU node:
 async half rollout, half train (reference scored on the train devices); tiderl half rollout, a quarter
 reference, a quarter train (RA2P and ERS move work and groups from there); sync all devices for both.
+`+war` adds WAR's speculative-decoding switch to the replicas (sim.backend.SimConfig.war_speculation),
+`+bidirl` BiDiRL's borrowing within steps (and, for async, its static planner).
 Nothing here is tuned to reach a published number.
 """
 
@@ -19,7 +21,7 @@ def get_config():
     c.workload = "tiderl-text-7b"
     c.accelerator = ""  # "" = the workload's
     c.sizes = (32, 64, 128, 256)  # accelerators; 1024 works too (minutes per mode: see WORKSPACE)
-    c.modes = ("sync", "async", "tiderl", "tiderl+bidirl")
+    c.modes = ("sync", "sync+war", "async", "tiderl", "tiderl+bidirl")
     c.steps = 20  # optimizer updates per run
     c.bidirl_probes = 5  # async+bidirl: rollout/train splits its static planner simulates
     c.bidirl_probe_steps = 4  # and steps per probe
