@@ -2,12 +2,15 @@
 
     python launch/simulate.py --config=configs/sim_tiderl_text.py [--config.sizes=32,1024] [--config.steps=100]
 
-For each cluster size and each mode (sync, async, tiderl) it runs `runtime.controller.Controller` on a
-`sim.backend.SimBackend` (virtual clock), then prints one table (goodput, its ratios to sync and to
-async at the same size, per-step time, rollout and trainer waiting, KV hit rate, ERS moves, wall
-seconds the simulation took) and writes `logdir/results.json` (one row per run), `logdir/goodput.png`
-(goodput vs cluster size per mode) and, at the smallest size, `logdir/timeline_<mode>.png` (what each
-device lane did over virtual time, the controller's own `RunMetrics.plot_timeline`).
+For each cluster size and each mode (sync, async, tiderl, each optionally `+bidirl`: BiDiRL borrowing,
+and for async its static planner; `+war`: WAR's speculative-decoding switch) it runs
+`runtime.controller.Controller` on a `sim.backend.SimBackend` (virtual clock), then prints one table
+(goodput, its ratios to sync and to async at the same size, per-step time, rollout and trainer
+waiting, KV hit rate, ERS moves, BiDiRL borrows, wall seconds the simulation took) and the papers'
+headline numbers against the simulation's (`ANCHORS`), and writes `logdir/results.json` (one row per
+run, and the anchors), `logdir/goodput.png` (goodput vs cluster size per mode) and, at the smallest
+size, `logdir/timeline_<mode>.png` (what each device lane did over virtual time, the controller's own
+`RunMetrics.plot_timeline`).
 """
 
 import dataclasses
