@@ -531,8 +531,9 @@ class Controller:
     def _ers_economics(self, tokens: int) -> ers.MoveEconomics:
         """What a move would cost and buy, from measurements: the trainer's and the rollout's busy
         seconds in the last step; the move's cost as measured for the last move (its reshard plus
-        the compiles of the step after it), or before any move, the compile seconds spent so far
-        (a new mesh needs those programs again); the scaling measured on the last move that changed
+        the compiles of the step after it), or before any move, the backend's estimate if it has one
+        (the simulator's switch time), else the compile seconds spent so far (a new mesh needs those
+        programs again); the scaling measured on the last move that changed
         the trainer (`ers_scaling` before any)."""
         rollout_busy = self.metrics.busy_s["rollout"] - self._rollout_busy_mark
         ref_busy = self.metrics.busy_s["ref"] - self._ref_busy_mark
@@ -548,7 +549,12 @@ class Controller:
                 log.info("ERS: trainer time per token x%.2f on %d -> %d groups: scaling %.2f of linear; "
                          "the move cost %.1fs", ratio, probe["groups"], self.pool.num_groups("train"),
                          self.ers_scaling, self._move_cost)
-        cost = self._move_cost if self._move_cost is not None else self._compile_seconds()
+        if self._move_cost is not None:
+            cost = self._move_cost
+        elif hasattr(self.backend, "move_cost_estimate"):  # a backend that can say (the simulator's switch time)
+            cost = self.backend.move_cost_estimate()
+        else:
+            cost = self._compile_seconds()
         return ers.MoveEconomics(train_busy_s=train_busy, rollout_busy_s=rollout_busy, move_cost_s=cost,
                                  horizon_steps=self.cfg.steps - self.step, scaling=self.ers_scaling,
                                  ref_busy_s=ref_busy)

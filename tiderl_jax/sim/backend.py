@@ -689,6 +689,16 @@ class SimBackend:
     def compile_s(self) -> float:
         return 0.0
 
+    def move_cost_estimate(self) -> float:
+        """What one ERS move of a device group costs here (the controller's economics before any move
+        is measured): the measured switch time, or the roofline switch of a train group's state."""
+        if self.measured is not None:
+            return self.measured.switch_s
+        group = self.pool.group_size if self.pool is not None else self.num_devices
+        state = self.shape.param_bytes + self.shape.params * self.cfg.optimizer_bytes_per_param
+        return costs.switch_time(state, self.hw, devices=group, span_devices=self.num_devices,
+                                 fixed_s=self.cfg.switch_fixed_s)
+
     def arrays(self) -> dict[str, Any] | None:
         return None
 
