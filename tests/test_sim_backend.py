@@ -195,3 +195,16 @@ def test_sync_counts_replicas_idle_in_a_batch_tail_as_rollout_waiting(tmp_path):
     assert summary["rollout_wait_s"] == pytest.approx(spans_only + m.idle_in_spans["rollout"])
     # each device once: waiting never exceeds the devices held over the run
     assert summary["rollout_wait_s"] + summary["trainer_wait_s"] <= DEVICES * summary["wall_s"] + 1e-6
+
+
+def test_ctb_admission_never_evicts_the_admitted_tasks_own_kv(tmp_path):
+    backend = sim_backend.SimBackend(SimConfig(kv_pages=100), mode="tiderl", pool=None, num_devices=8)
+    r = sim_backend._Replica(0, (0,), 100)
+    shape = workloads.TaskSample(64, (16, 16), (16,), (1.0,), False)
+    head, other = (sim_backend._Seq(0, i, shape, None) for i in range(2))
+    for s in (head, other):  # both wait for their tool with 40 pages of KV pinned
+        s.pinned, s.kv_pages = True, 40
+        r.pinned[s] = None
+    r.used = 80
+    backend._evict_pinned(r, 60, keep=head)  # 20 free, 60 wanted: only `other` can go
+    assert head.pinned and head.kv_pages == 40 and not other.pinned and other in r.cache

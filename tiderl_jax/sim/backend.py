@@ -848,8 +848,9 @@ class SimBackend:
             r.cache_pages -= pages
             self.counters["cache_evictions"] += 1
 
-    def _evict_pinned(self, r: _Replica, need: int) -> None:
-        """CTB: waiting tasks' KV dropped (into the prefix cache) by `ctb.choose_evictions`."""
+    def _evict_pinned(self, r: _Replica, need: int, keep: _Seq | None = None) -> None:
+        """CTB: waiting tasks' KV dropped (into the prefix cache) by `ctb.choose_evictions`; never
+        `keep`'s (the task being admitted: its pinned pages are part of what it needs)."""
         shortfall = need - self._free(r)
         if shortfall <= 0 or not r.pinned:
             return
@@ -857,6 +858,8 @@ class SimBackend:
         by_id = {}
         signals = []
         for i, s in enumerate(r.pinned):
+            if s is keep:
+                continue
             by_id[i] = s
             signals.append(ctb.TaskKVSignals(
                 task_id=i, is_eval=False, group_completion=0.0, is_active=False, context_len=s.kv_pages * self.ps,
@@ -901,11 +904,10 @@ class SimBackend:
                 evictions = c["cache_evictions"] + c["ctb_evictions"]
                 self._evict_cache(r, need - own, keep=s)
                 if ctb_mode and self._free(r) + own < need:
-                    self._evict_pinned(r, need - own)
+                    self._evict_pinned(r, need - own, keep=s)
                     self._evict_cache(r, need - own, keep=s)
                 if self._free(r) + own < need and (r.used > 0 or r.running):
-                    # what it evicted may let the next try pass (e.g. its own pinned KV, now cached, counts
-                    # then): the next event boundary tries again
+                    # what it evicted may let the next try pass: the next event boundary tries again
                     r.retry = c["cache_evictions"] + c["ctb_evictions"] != evictions
                     break
             queue.popleft()
