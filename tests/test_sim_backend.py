@@ -208,3 +208,13 @@ def test_ctb_admission_never_evicts_the_admitted_tasks_own_kv(tmp_path):
     r.used = 80
     backend._evict_pinned(r, 60, keep=head)  # 20 free, 60 wanted: only `other` can go
     assert head.pinned and head.kv_pages == 40 and not other.pinned and other in r.cache
+
+
+def test_a_broken_rollout_side_stops_the_run_with_its_error(tmp_path, monkeypatch):
+    # every sample raises at once: the producer must not admit (and fail) groups forever
+    async def broken(self, task, group, samples, expected_group_size):
+        raise RuntimeError("no rollout replica")
+    monkeypatch.setattr(sim_backend.SimBackend, "generate_group", broken)
+    with pytest.raises(RuntimeError, match="rollout producer failed") as e:
+        _run(tmp_path, "async")
+    assert "every sample of the last 8 groups failed (last: RuntimeError: no rollout replica)" in str(e.value.__cause__)

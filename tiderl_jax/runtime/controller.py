@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # the JAX side is imported only when a JaxBackend is built (t
 log = logging.getLogger(__name__)
 
 MODES = ("sync", "async", "tiderl")
+FAILED_GROUPS_LIMIT = 8  # groups in a row whose every sample raised before the producer gives up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +148,7 @@ class _Group:
     trajectories: list = dataclasses.field(default_factory=list)
     launched: int = 0  # samples started in this process (a resumed group keeps its finished ones)
     finished: int = 0  # of those, how many ended (completed or dropped)
+    errors: int = 0  # of those, how many raised
     dropped: list = dataclasses.field(default_factory=list)  # samples that ended without training data
     arrived: float = 0.0  # when its last sample finished
     ref_job: asyncio.Future | None = None  # decoupled ref scoring in flight
@@ -229,6 +231,10 @@ class Controller:
         self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
         self._stop = False
+        # groups in a row whose every sample raised (a broken rollout side): past FAILED_GROUPS_LIMIT the
+        # producer stops with the last error instead of admitting (and failing) more forever
+        self._failed_groups = 0
+        self._last_error = ""
         # BiDiRL
         self.borrows: list[dict] = []  # every borrow: step, borrower, devices, predicted gain / cost, seconds
         self.borrows_refused = 0
@@ -266,6 +272,9 @@ class Controller:
     async def _produce(self):
         G = self.cfg.group_size
         while not self._stop:
+            if self._failed_groups >= FAILED_GROUPS_LIMIT:
+                raise RuntimeError(f"every sample of the last {self._failed_groups} groups failed (last: "
+                                   f"{self._last_error}); the rollout side is broken, so no more tasks are admitted")
             cap = staleness.capacity(self.cfg.max_concurrent, self.running, self.cfg.staleness.eta,
                                      self.version, self.cfg.batch_samples, self.accepted)
             if cap < G:
@@ -281,7 +290,7 @@ class Controller:
             self.in_flight[group.gid] = group
             ended = {t.info.get("sample") for t in group.trajectories} | set(group.dropped)
             missing = [i for i in range(G) if i not in ended]
-            group.launched, group.finished = len(missing), 0
+            group.launched, group.finished, group.errors = len(missing), 0, 0
             self.running += len(missing)
             self.ledger["admitted"] += len(missing)
             if hasattr(self.backend, "generate_group"):  # one job per group (the simulator's)
@@ -315,6 +324,8 @@ class Controller:
         """One sample ended (a trajectory, or the exception that ended it)."""
         if isinstance(traj, Exception):
             log.warning("sample %d of group %d failed: %s: %s", sample, group.gid, type(traj).__name__, traj)
+            self._last_error = f"{type(traj).__name__}: {traj}"
+            group.errors += 1
             traj, reason = None, f"error:{type(traj).__name__}"
         else:
             reason = traj.end_reason if traj.failure else None
@@ -328,6 +339,8 @@ class Controller:
         if group.finished < group.launched:
             return
         group.trajectories.sort(key=lambda t: t.info["sample"])
+        failed = group.launched > 0 and group.errors == group.launched
+        self._failed_groups = self._failed_groups + 1 if failed else 0
         self.running -= group.launched
         del self.in_flight[group.gid]
         self._drop_stale(group)
