@@ -99,3 +99,13 @@ def test_bad_borrow_signals_are_named():
         signals(own_devices=0)
     with pytest.raises(ValueError, match="scaling=0"):
         signals(scaling=0)
+
+
+def test_measured_scaling_of_a_borrow():
+    # 8 own devices, 8 borrowed: the rate going from 10 to 15 samples/s means each borrowed device
+    # added half of an own one; no gain (or a loss) clips to the floor, more than linear to 1
+    assert bidirl.measured_scaling(10.0, 15.0, 8, 8) == pytest.approx(0.5)
+    assert bidirl.measured_scaling(10.0, 9.0, 8, 8) == bidirl.MIN_SCALING
+    assert bidirl.measured_scaling(10.0, 40.0, 8, 8) == 1.0
+    with pytest.raises(ValueError, match="rate_before"):
+        bidirl.measured_scaling(0.0, 1.0, 8, 8)

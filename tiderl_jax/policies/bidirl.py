@@ -177,3 +177,17 @@ def decide_borrow(s: BorrowSignals) -> BorrowDecision:
     use = devices > 0 and gain > cost
     return BorrowDecision(borrow=use, borrower=s.borrower, lender=lender, devices=devices if use else 0,
                           gain_s=gain, cost_s=cost, reason=reason)
+
+
+MIN_SCALING = 0.01  # (ours) a borrow that measured no gain still leaves decide_borrow a valid scaling
+
+
+def measured_scaling(rate_before: float, rate_during: float, own_devices: int, borrowed_devices: int) -> float:
+    """The `scaling` a borrow showed (ours): the borrower's rate rose by `k = during / before - 1` with
+    `borrowed / own` more devices, so each borrowed device added `k * own / borrowed` of an own one;
+    clipped to [MIN_SCALING, 1]."""
+    if not rate_before > 0 or not rate_during >= 0 or own_devices < 1 or borrowed_devices < 1:
+        raise ValueError(f"BiDiRL measured_scaling needs positive rate_before={rate_before}, rate_during="
+                         f"{rate_during} >= 0 and devices >= 1 (own {own_devices}, borrowed {borrowed_devices})")
+    k = rate_during / rate_before - 1.0
+    return min(1.0, max(MIN_SCALING, k * own_devices / borrowed_devices))

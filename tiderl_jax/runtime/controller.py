@@ -493,9 +493,8 @@ class Controller:
         if record["borrower"] == bidirl.ROLLOUT:  # measure what the borrowed devices added
             during, before = self._arrival_rate(since=record["start"] + record["switch_in_s"]), record["rate_before"]
             if during is not None and before:
-                own = len(self.pool.devices_of("rollout"))
-                k = during / before - 1.0
-                self.bidirl_scaling = min(1.0, max(0.01, k * own / record["devices"]))
+                self.bidirl_scaling = bidirl.measured_scaling(before, during, len(self.pool.devices_of("rollout")),
+                                                              record["devices"])
                 record["measured_scaling"] = self.bidirl_scaling
         self.borrows.append(record)
 
