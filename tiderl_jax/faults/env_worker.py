@@ -20,8 +20,8 @@ MECHANISMS.md §5 (Belayer, environment failure). Two layers:
   arrives before the snapshot is done waits (`checkpoint_wait_s`: only what outlasts the generation
   is visible). `redo_cost` is the measured environment plus generation seconds of the turns since
   the last snapshot (the coming step's environment time taken as the mean so far),
-  `checkpoint_s` the last snapshot's measured time, `overlap_s` the mean generation time so far. When a step (or a pending
-  snapshot) finds the child dead or hung, it asks `belayer.decide_retry` (the budget is
+  `checkpoint_s` the last snapshot's measured time, `overlap_s` the mean generation time so far.
+  When a step (or a pending snapshot) finds the child dead or hung, it asks `belayer.decide_retry` (the budget is
   `max_retries` recoveries per episode): it restarts the child, restores the last snapshot (or
   resets the task: turn 0) and raises `EnvRewound(turn, observation, attempt)`; the caller cuts its
   trajectory back to just after that turn's observation and generates from there. Past the budget
@@ -44,11 +44,12 @@ import asyncio
 import contextlib
 import dataclasses
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import signal
+import socket
 import statistics
+import struct
 import sys
 import time
 import traceback
@@ -70,28 +71,45 @@ START_METHODS = ("forkserver", "spawn")
 CHECKPOINT_MODES = ("belayer", "always", "never")
 
 
-async def _readable(loop: asyncio.AbstractEventLoop, conn, sentinel: int, timeout_s: float) -> bool:
-    """True once `conn` has data or the process `sentinel` fires; False after `timeout_s`."""
-    if conn.poll():
-        return True
-    if timeout_s <= 0:
-        return False
-    woke = loop.create_future()
+# Messages between parent and child: length-prefixed pickles on a socket pair. A sender writes a
+# frame (header and payload) with one send; a reader takes whatever has arrived with one recv and
+# splits off the complete frames (multiprocessing.Connection reads a header and a payload with two
+# syscalls, and pickles with the default protocol).
+_HEADER = struct.Struct("!Q")  # payload bytes
+_READ_SIZE = 1 << 16  # bytes per recv (below malloc's mmap threshold: no mmap per read)
 
-    def wake(value: bool) -> None:
-        if not woke.done():
-            woke.set_result(value)
 
-    fds = (conn.fileno(), sentinel)
-    for fd in fds:
-        loop.add_reader(fd, wake, True)
-    timer = loop.call_later(timeout_s, wake, False)
-    try:
-        return await woke
-    finally:
-        timer.cancel()
-        for fd in fds:
-            loop.remove_reader(fd)
+def _frame(message: Any) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload)) + payload
+
+
+class _FrameReader:
+    """Splits a byte stream into frames: `feed(data)` returns the payloads (memoryviews of
+    immutable bytes) of the frames `data` completes, in order, and keeps a partial one. A frame
+    split across reads is buffered until complete (copied once then, not at every read)."""
+
+    def __init__(self):
+        self._buf = bytearray()
+        self._need = 0  # bytes (header included) the buffered frame needs; 0 while its header is incomplete
+
+    def feed(self, data: bytes) -> list[memoryview]:
+        if self._buf:
+            self._buf += data
+            if len(self._buf) < self._need:
+                return []
+            data, self._buf, self._need = bytes(self._buf), bytearray(), 0
+        view, pos, size, out = memoryview(data), 0, len(data), []
+        while size - pos >= _HEADER.size:
+            end = pos + _HEADER.size + _HEADER.unpack_from(data, pos)[0]
+            if end > size:
+                self._need = end - pos
+                break
+            out.append(view[pos + _HEADER.size:end])
+            pos = end
+        if pos < size:
+            self._buf += view[pos:]
+        return out
 
 
 class EnvError(RuntimeError):
@@ -153,18 +171,38 @@ def restore_env(env: Environment, state: bytes) -> None:
 # ----------------------------------------------------------------------------------- the child
 
 
-def _serve(conn: multiprocessing.connection.Connection, make_env: Callable[[Task], Environment]) -> None:
+def _serve(sock: socket.socket, make_env: Callable[[Task], Environment]) -> None:
     """The child's loop: one request at a time, replies ("ok", seq, result) or ("error", seq, text).
     A "step+snapshot" replies first, then (unless the episode ended) snapshots the environment and
     pushes ("snapshot", seq, (state, seconds, monotonic end)) or ("snapshot_error", seq, message) unasked: the
     snapshot runs while the parent's model generates, and costs the parent no request."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop (Ctrl-C there)
+    sock.setblocking(True)
     loop = asyncio.new_event_loop()
     env: Environment | None = None
+    reader, requests = _FrameReader(), []
+
+    def reply(message) -> bool:
+        """Sends `message` (an error instead if it cannot be pickled); False once the parent is gone."""
+        try:
+            data = _frame(message)
+        except Exception as e:  # noqa: BLE001 - an unpicklable result is the environment's error
+            data = _frame(("error", message[1], (type(e).__name__, False, str(e), traceback.format_exc())))
+        try:
+            sock.sendall(data)
+        except OSError:
+            return False
+        return True
+
     while True:
         try:
-            seq, op, arg = conn.recv()
-        except (EOFError, OSError):
+            while not requests:
+                data = sock.recv(_READ_SIZE)
+                if not data:
+                    return  # the parent closed its end
+                requests = reader.feed(data)[::-1]
+            seq, op, arg = pickle.loads(requests.pop())
+        except OSError:
             return
         try:
             if op == "reset":
@@ -180,15 +218,18 @@ def _serve(conn: multiprocessing.connection.Connection, make_env: Callable[[Task
             elif op in ("step", "step+snapshot"):
                 result = loop.run_until_complete(env.step(arg))
                 if op == "step+snapshot":
-                    conn.send(("ok", seq, result))
+                    if not reply(("ok", seq, result)):
+                        return
                     if not result.done:
                         t0 = time.perf_counter()
                         try:
                             state = snapshot_env(env)
                         except SnapshotError as e:
-                            conn.send(("snapshot_error", seq, str(e)))
+                            pushed = ("snapshot_error", seq, str(e))
                         else:
-                            conn.send(("snapshot", seq, (state, time.perf_counter() - t0, time.monotonic())))
+                            pushed = ("snapshot", seq, (state, time.perf_counter() - t0, time.monotonic()))
+                        if not reply(pushed):
+                            return
                     continue
             elif op == "ping":
                 result = None
@@ -196,10 +237,11 @@ def _serve(conn: multiprocessing.connection.Connection, make_env: Callable[[Task
                 result = snapshot_env(env)
             else:
                 raise RuntimeError(f"unknown request {op!r}")
-            conn.send(("ok", seq, result))
+            message = ("ok", seq, result)
         except Exception as e:  # noqa: BLE001 - the environment's own error goes back to the caller
-            conn.send(("error", seq, (type(e).__name__, isinstance(e, SnapshotError), str(e),
-                                      traceback.format_exc())))
+            message = ("error", seq, (type(e).__name__, isinstance(e, SnapshotError), str(e), traceback.format_exc()))
+        if not reply(message):
+            return
 
 
 # ----------------------------------------------------------------------------------- EnvWorker
@@ -256,19 +298,27 @@ class EnvWorker:
         self.on_snapshot: Callable[[int, bool, Any], None] | None = None
         self.sent_at = 0.0  # time.monotonic() when the latest request was sent
         self.starts = 0
-        self._proc = self._conn = None
+        self._proc = self._sock = None
         self.start()
 
     # ------------------------------------------------------------------ process
 
     def start(self) -> None:
-        parent, child = self._ctx.Pipe()
+        parent, child = socket.socketpair()
         proc = self._ctx.Process(target=_serve, args=(child, self.make_env), daemon=True,
                                  name="tiderl-env-worker")
         with main_module_hidden(self.make_env):
             proc.start()
         child.close()
-        self._proc, self._conn = proc, parent
+        parent.setblocking(False)
+        self._proc, self._sock = proc, parent
+        self._fd, self._sentinel = parent.fileno(), proc.sentinel
+        self._frames = _FrameReader()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the socket and the sentinel
+        self._waiting: tuple[int, asyncio.Future] | None = None  # (seq, reply future) of the call in flight
+        self._pushed: list[tuple[int, bool, Any]] = []  # snapshots that arrived while no call waited
+        self._outbox: memoryview | None = None  # the rest of a request larger than the socket buffer
+        self._ended = False  # the child closed its end or exited: no more replies
         self.starts += 1
 
     @property
@@ -282,13 +332,15 @@ class EnvWorker:
         """Ends the child now (SIGKILL) and waits for it."""
         if self._proc is None:
             return
+        self._unwatch()
         if self._proc.is_alive():
             try:
                 os.kill(self._proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self._proc.join(5)
-        self._conn.close()
+        self._sock.close()
+        self._ended = True
 
     def restart(self) -> None:
         self.kill()
@@ -298,54 +350,170 @@ class EnvWorker:
         self.kill()
         self._proc = None
 
+    # ------------------------------------------------------------------ the event loop's watch
+
+    # The event loop watches the socket and the child's process sentinel for as long as the child
+    # lives (not per call: a reader added and removed per call cost four epoll_ctl syscalls and
+    # the selector's bookkeeping on every round trip). Each arriving frame goes to the call waiting
+    # for it by seq; a pushed snapshot goes to `on_snapshot` during a call (one that arrives
+    # between calls is handed over when the next call starts, as a pipe read then did).
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is loop:
+            return
+        self._unwatch()  # a worker moves with its caller to another loop (e.g. asyncio.run after asyncio.run)
+        self._loop = loop
+        if not self._ended:
+            loop.add_reader(self._fd, self._on_readable)
+            loop.add_reader(self._sentinel, self._on_exit)
+
+    def _unwatch(self) -> None:
+        loop, self._loop, self._outbox = self._loop, None, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
+            loop.remove_writer(self._fd)
+            loop.remove_reader(self._sentinel)
+
+    def _on_readable(self) -> None:
+        try:
+            data = self._sock.recv(_READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._dispatch(self._frames.feed(data))
+        else:
+            self._end()
+
+    def _on_exit(self) -> None:
+        """The child exited: what it sent before is read first."""
+        while not self._ended:
+            try:
+                data = self._sock.recv(_READ_SIZE)
+            except OSError:  # BlockingIOError: all read
+                break
+            if not data:
+                break
+            self._dispatch(self._frames.feed(data))
+        self._end()
+
+    def _end(self) -> None:
+        """No more replies: the waiting call (and every later one) finds the child crashed."""
+        self._ended = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
+            loop.remove_writer(self._fd)
+            loop.remove_reader(self._sentinel)
+        self._outbox = None
+        self._resolve(None, "crashed", None)
+
+    def _dispatch(self, frames: list[memoryview]) -> None:
+        for frame in frames:
+            try:
+                status, seq, payload = pickle.loads(frame)
+            except Exception as e:  # noqa: BLE001 - an unreadable reply fails the call waiting for it
+                self._resolve(None, "unreadable", e)
+                continue
+            if status in ("snapshot", "snapshot_error"):  # pushed after an earlier step+snapshot
+                if self._waiting is not None:
+                    if self.on_snapshot is not None:
+                        self.on_snapshot(seq, status == "snapshot", payload)
+                else:
+                    self._pushed.append((seq, status == "snapshot", payload))
+            else:
+                self._resolve(seq, status, payload)
+
+    def _resolve(self, seq: int | None, status: str, payload: Any) -> None:
+        """Hands (status, payload) to the call waiting for `seq` (any call when None); a reply to
+        an abandoned call finds none and is dropped."""
+        waiting = self._waiting
+        if waiting is None or (seq is not None and seq != waiting[0]):
+            return
+        self._waiting = None
+        if not waiting[1].done():
+            waiting[1].set_result((status, payload))
+
+    def _send(self, data: bytes) -> None:
+        try:
+            sent = self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(data):  # the rest when the child has read some (a large restore)
+            self._outbox = memoryview(data)[sent:]
+            self._loop.add_writer(self._fd, self._on_writable)
+
+    def _on_writable(self) -> None:
+        try:
+            sent = self._sock.send(self._outbox) if self._outbox is not None else 0
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._end()
+            return
+        if self._outbox is not None:
+            self._outbox = self._outbox[sent:]
+            if len(self._outbox):
+                return
+        self._outbox = None
+        self._loop.remove_writer(self._fd)
+
+    def _on_timeout(self, seq: int) -> None:
+        self._resolve(seq, "timeout", None)
+
     # ------------------------------------------------------------------ calls
 
     async def _call(self, op: str, arg: Any = None, timeout_s: float | None = None) -> Any:
         """Sends one request and waits for its reply on the event loop itself: the loop watches the
-        pipe and the child's process sentinel, so a reply costs no thread hand-off (on a loaded
+        socket and the child's process sentinel, so a reply costs no thread hand-off (on a loaded
         machine a waiting thread's wake-up and GIL hand-back added milliseconds to every call)."""
         async with self._lock:
-            proc, conn = self._proc, self._conn
+            proc = self._proc
             if proc is None:
                 raise RuntimeError("EnvWorker is closed")
+            loop = asyncio.get_running_loop()
+            self._watch(loop)
             self._seq += 1
             seq = self._seq
+            data = _frame((seq, op, arg))
+            self.sent_at = time.monotonic()  # (CLOCK_MONOTONIC: the child's clock too)
+            pushed, self._pushed = self._pushed, []
+            for item in pushed:  # arrived after the previous call returned
+                if self.on_snapshot is not None:
+                    self.on_snapshot(*item)
+            if self._ended:
+                raise self._crashed(op)
             try:
-                self.sent_at = time.monotonic()  # (CLOCK_MONOTONIC: the child's clock too)
-                conn.send((seq, op, arg))
-            except (OSError, EOFError, ValueError):
+                self._send(data)
+            except OSError:
                 raise self._crashed(op) from None
-            loop = asyncio.get_running_loop()
+            reply = loop.create_future()
+            self._waiting = (seq, reply)
             timeout_s = timeout_s or self.timeout_s
-            deadline = loop.time() + timeout_s
-            while True:
-                try:
-                    ready = await _readable(loop, conn, proc.sentinel, deadline - loop.time())
-                except asyncio.CancelledError:
-                    self.kill()  # the child's state is unknown now; its next call reports a crash
-                    raise
-                if not ready:
-                    self.kill()
-                    raise WorkerTimeout(f"environment {op} took longer than {timeout_s}s; its subprocess "
-                                        f"(pid {proc.pid}) was killed")
-                if not conn.poll():  # only the sentinel: the child ended without answering
-                    raise self._crashed(op)
-                try:
-                    status, reply_seq, payload = conn.recv()
-                except (EOFError, OSError):
-                    raise self._crashed(op) from None
-                if status in ("snapshot", "snapshot_error"):  # pushed after an earlier step+snapshot
-                    if self.on_snapshot is not None:
-                        self.on_snapshot(reply_seq, status == "snapshot", payload)
-                    continue
-                if reply_seq != seq:
-                    continue  # the answer to an abandoned call
-                if status == "ok":
-                    return payload
-                name, is_snapshot_error, message, tb = payload
-                if is_snapshot_error:
-                    raise SnapshotError(message)
-                raise EnvError(f"environment {op} raised {name}: {message}\n--- in the subprocess ---\n{tb}")
+            timer = loop.call_later(timeout_s, self._on_timeout, seq)
+            try:
+                status, payload = await reply
+            except asyncio.CancelledError:
+                self._waiting = None
+                self.kill()  # the child's state is unknown now; its next call reports a crash
+                raise
+            finally:
+                timer.cancel()
+            if status == "ok":
+                return payload
+            if status == "timeout":
+                self.kill()
+                raise WorkerTimeout(f"environment {op} took longer than {timeout_s}s; its subprocess "
+                                    f"(pid {proc.pid}) was killed")
+            if status == "crashed":
+                raise self._crashed(op)
+            if status == "unreadable":
+                raise payload
+            name, is_snapshot_error, message, tb = payload
+            if is_snapshot_error:
+                raise SnapshotError(message)
+            raise EnvError(f"environment {op} raised {name}: {message}\n--- in the subprocess ---\n{tb}")
 
     def _crashed(self, op: str) -> WorkerCrashed:
         proc = self._proc
