@@ -327,3 +327,115 @@ def test_env_pool_prestart_and_pushed_snapshots():
     asyncio.run(go())
     env.close()
     pool.close()
+
+
+# ----------------------------------------------------------------------------------- the worker's transport
+
+
+def test_frame_reader_joins_frames_split_across_reads():
+    import pickle
+
+    from tiderl_jax.faults.env_worker import _frame, _FrameReader
+    messages = [("ok", 1, "short"), ("snapshot", 2, (b"x" * 100_000, 0.1, 5.0)), ("ok", 3, None), ("error", 4, "e")]
+    stream = b"".join(_frame(m) for m in messages)
+    for cut in (1, 3, 7, 8, 9, 50, 4096, 65536, len(stream)):  # every read size, headers split too
+        reader, got = _FrameReader(), []
+        for i in range(0, len(stream), cut):
+            got += [pickle.loads(f) for f in reader.feed(stream[i:i + cut])]
+        assert got == messages, cut
+    reader = _FrameReader()  # several frames and a partial one in a read
+    first = reader.feed(stream[:len(_frame(messages[0])) + 10])
+    assert [pickle.loads(f) for f in first] == messages[:1]
+    assert [pickle.loads(f) for f in reader.feed(stream[len(_frame(messages[0])) + 10:])] == messages[1:]
+
+
+def test_worker_carries_payloads_larger_than_the_socket_buffer():
+    # a restore and a snapshot of 8 MiB each way: the request is finished by the loop's writer, the
+    # reply joined from many reads
+    import pickle
+    task = Task("count/6", "count", "p", "", {"steps": 3})
+    blob = os.urandom(8 << 20)
+
+    async def go():
+        w = EnvWorker(fault_envs.make_counting, timeout_s=30)
+        try:
+            await w.reset(task)
+            state = pickle.loads(await w.snapshot_bytes())[1]
+            state["blob"] = pickle.dumps(blob)
+            await w.restore(task, pickle.dumps(("attrs", state)))
+            back = pickle.loads(await w.snapshot_bytes())[1]
+            assert pickle.loads(back["blob"]) == blob and back["count"] == state["count"]
+            assert (await w.step("a")).observation.startswith("step 1 after 'a'")
+        finally:
+            w.close()
+    asyncio.run(go())
+
+
+def test_worker_ignores_replies_to_other_calls():
+    import pickle
+    task = Task("count/7", "count", "p", "", {"steps": 3})
+    seen = []
+
+    async def go():
+        w = EnvWorker(fault_envs.make_counting, timeout_s=10)
+        w.on_snapshot = lambda *a: seen.append(a)
+        try:
+            await w.reset(task)
+            call = asyncio.ensure_future(w.step("a"))
+            await asyncio.sleep(0)  # the step is sent and waits for its reply
+            stale = w.last_seq - 1  # e.g. the answer to a call abandoned at its timeout
+            w._dispatch([memoryview(pickle.dumps(("ok", stale, "stale"))),
+                         memoryview(pickle.dumps(("error", stale + 2, ("KeyError", False, "x", "tb"))))])
+            assert (await call).observation.startswith("step 1 after 'a'")
+            # a snapshot pushed while no call waits is handed over when the next call starts
+            await w.step("b", snapshot=True)
+            await asyncio.sleep(0.5)
+            assert seen == []
+            await w.ping()
+            assert len(seen) == 1 and seen[0][:2] == (w.last_seq - 1, True)
+        finally:
+            w.close()
+    asyncio.run(go())
+
+
+def test_worker_across_event_loops_and_crash_between_calls():
+    task = Task("count/8", "count", "p", "", {"steps": 5})
+    w = EnvWorker(fault_envs.make_counting, timeout_s=10)
+    try:
+        seen = []
+        w.on_snapshot = lambda *a: seen.append(a)
+        asyncio.run(w.reset(task))
+        asyncio.run(w.step("a", snapshot=True))  # its snapshot is pushed after this loop closed
+        assert asyncio.run(w.step("b")).observation.startswith("step 2 after 'b'")  # a new loop
+        assert len(seen) == 1 and seen[0][1]
+        os.kill(w.pid, signal.SIGKILL)
+        w._proc.join(5)
+        with pytest.raises(WorkerCrashed, match="exit code -9 during step"):
+            asyncio.run(w.step("c"))
+        with pytest.raises(WorkerCrashed):  # and every call after it, until a restart
+            asyncio.run(w.ping())
+        w.restart()
+        asyncio.run(w.reset(task))
+        assert asyncio.run(w.step("a")).observation.startswith("step 1 after 'a'")
+    finally:
+        w.close()
+
+
+def test_cancelled_call_kills_the_worker(tmp_path):
+    task = Task("count/9", "count", "p", "", {"steps": 5, "hang_marker": str(tmp_path / "hang"), "hang_at": 1})
+
+    async def go():
+        w = EnvWorker(fault_envs.make_counting, timeout_s=30)
+        try:
+            await w.reset(task)
+            call = asyncio.ensure_future(w.step("a"))  # hangs
+            await asyncio.sleep(0.3)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert not w.alive()
+            with pytest.raises(WorkerCrashed):
+                await w.step("b")
+        finally:
+            w.close()
+    asyncio.run(go())
