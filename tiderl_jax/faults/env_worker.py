@@ -21,9 +21,9 @@ MECHANISMS.md §5 (Belayer, environment failure). Two layers:
   is visible). `redo_cost` is the measured environment plus generation seconds of the turns since
   the last snapshot (the coming step's environment time taken as the mean so far),
   `checkpoint_s` the last snapshot's measured time, `overlap_s` the mean generation time so far.
-  When a step (or a pending snapshot) finds the child dead or hung, it asks `belayer.decide_retry` (the budget is
-  `max_retries` recoveries per episode): it restarts the child, restores the last snapshot (or
-  resets the task: turn 0) and raises `EnvRewound(turn, observation, attempt)`; the caller cuts its
+  When a step (or a pending snapshot) finds the child dead or hung, it asks `belayer.decide_retry`
+  (the budget is `max_retries` recoveries per episode): it restarts the child, restores the last
+  snapshot (or resets the task: turn 0) and raises `EnvRewound(turn, observation, attempt)`; the caller cuts its
   trajectory back to just after that turn's observation and generates from there. Past the budget
   it raises `TaskDropped` with the reason. A crash during `reset` is retried the same way, silently
   (there is nothing to rewind).
