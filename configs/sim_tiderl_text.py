@@ -4,9 +4,11 @@
 
 Workload `tiderl-text-7b` (sim/workloads.py: each parameter the paper's or ours). Per cluster size the
 batch scales with the devices (prompts_per_step * size / the preset's 32 devices, GRPO groups of the
-preset's size). Device layouts are those of benchmarks/goodput.py, in device groups of one 8-GPU node:
+preset's size). Device layouts are those of benchmarks/goodput.py, in device groups:
 async half rollout, half train (reference scored on the train devices); tiderl half rollout, a quarter
 reference, a quarter train (RA2P and ERS move work and groups from there); sync all devices for both.
+A device group is 1/16 of the cluster (at least one 8-GPU node), so ERS's one move per step is the same
+share of the cluster at every size.
 `+war` adds WAR's speculative-decoding switch to the replicas (sim.backend.SimConfig.war_speculation),
 `+bidirl` BiDiRL's borrowing within steps (and, for async, its static planner).
 Nothing here is tuned to reach a published number.
@@ -29,7 +31,9 @@ def get_config():
     c.timelines = True  # a timeline PNG per mode at the smallest size
     c.controller = ConfigDict({
         "eta": 1, "concurrency_batches": 2,  # max_concurrent = concurrency_batches * batch samples
-        "device_group_size": 8, "ers_patience": 2, "ers_cooldown": 3,
+        # device groups: size / device_groups devices each, at least one node of device_group_size (ERS
+        # moves one group per step: a group stays 1/16 of the cluster as it grows)
+        "device_group_size": 8, "device_groups": 16, "ers_patience": 2, "ers_cooldown": 3,
         # fractions of the device groups per role (the rest of a mode's groups go to rollout)
         "async_train": 0.5, "tiderl_ref": 0.25, "tiderl_train": 0.25})
     c.sim = ConfigDict({

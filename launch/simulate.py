@@ -39,9 +39,10 @@ def controller_config(cfg, mode: str, size: int, workload: workloads.Workload,
     """The controller's settings for one run: batch scaled with the cluster, the mode's device layout."""
     c = cfg.controller
     base, options = parse_mode(mode)
-    groups = size // c.device_group_size
-    if groups * c.device_group_size != size or groups < 4:
-        raise ConfigError(f"size {size}: needs at least 4 device groups of {c.device_group_size}")
+    group = group_size(cfg, size)
+    groups = size // group
+    if groups * group != size or groups < 4:
+        raise ConfigError(f"size {size}: needs at least 4 device groups of {group}")
     prompts = max(1, round(workload.prompts_per_step * size / workload.devices))
     batch = prompts * workload.group_size
     if base == "tiderl":
@@ -55,8 +56,18 @@ def controller_config(cfg, mode: str, size: int, workload: workloads.Workload,
         group_size=workload.group_size, eta=0 if base == "sync" else c.eta,
         max_concurrent=c.concurrency_batches * batch,
         task_kinds=("calculator",), data_seed=cfg.seed,
-        device_group_size=c.device_group_size, rollout_groups=groups - ref - train, ref_groups=ref,
+        device_group_size=group, rollout_groups=groups - ref - train, ref_groups=ref,
         train_groups=train, tensor=cfg.sim.tp, ers_patience=c.ers_patience, ers_cooldown=c.ers_cooldown)
+
+
+def group_size(cfg, size: int) -> int:
+    """Devices per device group at this cluster size: `size / controller.device_groups` (ERS moves one
+    group per step, so a group stays the same share of the cluster as it grows), at least
+    `controller.device_group_size` (one node)."""
+    c = cfg.controller
+    if c.device_groups < 4:
+        raise ConfigError(f"controller.device_groups={c.device_groups} must be >= 4 (rollout, ref, train)")
+    return max(c.device_group_size, size // c.device_groups)
 
 
 def parse_mode(mode: str) -> tuple[str, set[str]]:
@@ -86,7 +97,7 @@ def plan_bidirl(cfg, size: int, war: bool = False) -> tuple[int, dict]:
     what bounds the rollout here: a batch waits for its longest samples and its environment calls,
     which no added device shortens. Returns (rollout device groups, what the plan saw)."""
     workload = workloads.workload(cfg.workload)
-    g = cfg.controller.device_group_size
+    g = group_size(cfg, size)
     unit = cfg.sim.tp or 1
     splits = bidirl.candidate_splits(size, g, unit, unit)
     k = max(1, min(cfg.bidirl_probes, len(splits)))

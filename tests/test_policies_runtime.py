@@ -357,3 +357,63 @@ def test_moving_the_last_ref_group_costs_the_trainer_the_ref_pass():
     assert move is None
     move, _ = decide(one, ERSHistory(), ONE_STEP, e)
     assert move.from_role == "ref" and move.gain_s == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("before, after, ratio, expected", [
+    (4, 5, 0.59, 1.0), (4, 5, 0.8, 1.0),  # at or beyond linear (the formula's pole lies there)
+    (5, 4, 1.4, 1.0), (5, 4, 0.9, 0.0),  # fewer groups: beyond linear; faster with fewer: none
+])
+def test_measured_scaling_clips_beyond_linear_to_one(before, after, ratio, expected):
+    assert ers.measured_scaling(before, after, ratio) == pytest.approx(expected)
+
+
+def test_move_gain_with_the_rollouts_own_scaling_and_the_trainers_coupling():
+    # trainer computes 6 s and idles 4 s (R = 10), rollout computes 8 s on 2 groups. A latency-bound
+    # rollout (rollout_scaling 0) gains nothing from a group; with coupling k = 0.5 the production
+    # follows the trainer: train 2 -> 3 groups, t' = 4, R' = 10 + 0.5 * (4 - 6) = 9: 1 s a step.
+    starved = _ers(**STARVED)
+    e = _econ(train_busy_s=6.0, rollout_busy_s=8.0, rollout_scaling=0.0, train_coupling=0.5)
+    # train -> rollout: t' = 12 and the production follows it, R' = 10 + 0.5 * 6 = 13
+    assert ers.move_gain(starved, e, "rollout", "train") == pytest.approx(10 - 13)
+    assert ers.move_gain(starved, e, "train", "rollout") == pytest.approx(1.0)
+    assert ers.move_gain(starved, dataclasses.replace(e, train_coupling=0.0), "train", "rollout") == 0.0
+    # the rollout's own scaling replaces `scaling` on its side only: r' = 8 * 2/3
+    linear_rollout = _econ(train_busy_s=6.0, rollout_busy_s=8.0, scaling=0.0, rollout_scaling=1.0)
+    assert ers.move_gain(_ers(**STARVED, train_groups=3), linear_rollout, "rollout", "train") == \
+        pytest.approx(10 - (10 - 8 + 8 * 2 / 3))
+    # a ref group joining train: the last one brings the ref pass (2 s on 1 group = 1 s on 2), then all
+    # of it speeds up: t' = (6 + 1) * 2/3
+    one_ref = _ers(**STARVED, ref_groups=1)
+    e_ref = dataclasses.replace(e, ref_busy_s=2.0)
+    assert ers.move_gain(one_ref, e_ref, "train", "ref") == pytest.approx(10 - (10 + 0.5 * (7 * 2 / 3 - 6)))
+    assert ers.move_gain(one_ref, e_ref, "ref", "train") == -float("inf")  # nothing moves to ref
+    for bad in (dict(rollout_scaling=1.5), dict(train_coupling=-0.1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            _econ(**bad)
+
+
+def test_with_economics_the_best_allowed_move_wins():
+    # a generation deficit whose cause is the staleness cycle, not rollout capacity: the ref group
+    # joins the trainer (the paper's direction, ref -> rollout, would gain nothing)
+    e = _econ(train_busy_s=6.0, rollout_busy_s=8.0, rollout_scaling=0.1, train_coupling=0.5, ref_busy_s=2.0,
+              move_cost_s=1.0)
+    # gains per step: ref -> train 0.67, rollout -> train 0.2, ref -> rollout 0.17
+    assert ers.move_gain(_ers(**STARVED, ref_groups=1), e, "train", "ref") == pytest.approx(10 - (10 + 0.5 * (
+        (6 + 1) * 2 / 3 - 6)))
+    move, history = decide(_ers(**STARVED, ref_groups=1), ERSHistory(), ONE_STEP, e)
+    assert (move.from_role, move.to_role, move.ra2p_mode) == ("ref", "train", "colocated")
+    assert history.last_move_to == "train"
+    # with ref groups left the ref pass stays decoupled on them
+    move, _ = decide(_ers(**STARVED, ref_groups=2), ERSHistory(), ONE_STEP, e)
+    assert (move.from_role, move.to_role, move.ra2p_mode) == ("ref", "train", "decoupled")
+    # a rollout that scales and no coupling: the paper's direction
+    move, _ = decide(_ers(**STARVED, ref_groups=1, train_groups=3), ERSHistory(), ONE_STEP,
+                     _econ(train_busy_s=6.0, rollout_busy_s=6.0, move_cost_s=1.0))
+    assert (move.from_role, move.to_role) == ("ref", "rollout")
+    # moves back toward the side the last move took from wait out the cooldown, whichever role they use
+    config = ERSConfig(patience=1, cooldown=2)
+    move, history = decide(_ers(**STARVED), ERSHistory(last_move_to="rollout"), config, e)
+    assert move is None and "cooldown" in history.refused
+    # no allowed move pays: refused with the best one named
+    move, history = decide(_ers(**STARVED), ERSHistory(), ONE_STEP, dataclasses.replace(e, move_cost_s=1e6))
+    assert move is None and "best move (rollout -> train)" in history.refused

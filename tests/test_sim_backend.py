@@ -218,3 +218,25 @@ def test_a_broken_rollout_side_stops_the_run_with_its_error(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="rollout producer failed") as e:
         _run(tmp_path, "async")
     assert "every sample of the last 8 groups failed (last: RuntimeError: no rollout replica)" in str(e.value.__cause__)
+
+
+def test_rollout_scaling_reads_the_replicas_load(tmp_path):
+    # the default load: a few tasks per replica, most of them waiting on their environment; decoding
+    # is memory-bound at small batches, so a replica more barely speeds anything up
+    _, _, light = _run(tmp_path, "async", name="light")
+    light_scaling = light.rollout_scaling()
+    assert light_scaling is not None and 0.0 <= light_scaling < 0.2
+    assert light.rollout_scaling() is None  # nothing ran since: no load to read
+    # one running sequence per replica: tasks queue behind the full replicas, which more would serve
+    _, _, full = _run(tmp_path, "async", SimConfig(max_batch=1), name="full")
+    assert full.rollout_scaling() > 0.4 > light_scaling
+
+
+def test_ers_gives_the_ref_group_to_the_trainer_when_the_rollout_does_not_scale(tmp_path):
+    # the text preset's default load is latency-bound: the trainer idles while the staleness bound holds
+    # admission, and a rollout group more would decode about as slowly; with its economics, ERS's
+    # generation deficit moves the ref group to train (not to rollout, the paper's direction)
+    summary, controller, backend = _run(tmp_path, "tiderl", steps=6, ers_patience=1, ers_cooldown=0)
+    assert controller.moves and (controller.moves[0]["frm"], controller.moves[0]["to"]) == ("ref", "train")
+    assert controller.moves[0]["predicted_gain_s"] > controller.moves[0]["predicted_cost_s"]
+    assert backend.pool.num_groups("train") >= 2

@@ -28,7 +28,15 @@ Rule (the paper's, with the thresholds and hysteresis ours, all in `ERSConfig`):
   the steps left exceeds the predicted move cost (reshard + recompile, measured), see `move_gain`.
   The gain assumes a role's speed grows by `scaling` of linear per added group (1.0 until a move
   has been measured, then `measured_scaling`): on devices that share hardware (this CPU's fake
-  devices) the first move measures ~0 and no further move is predicted to pay.
+  devices) the first move measures ~0 and no further move is predicted to pay. The rollout's own
+  scaling (`rollout_scaling`) comes from the engine's costs at its load when the backend can tell:
+  memory-bound decoding at small batches barely speeds up with more replicas.
+- with economics the deficit says *that* a move is wanted, the economics say *which* (ours): every
+  move of one group that leaves its role at or above its minimum (ref -> rollout, train -> rollout,
+  ref -> train, rollout -> train) is scored by `move_gain`, and the best one moves if it pays and
+  does not reverse the last move within the cooldown (then nothing moves). A trainer that idles because rollout
+  latency and the staleness bound hold admission (`train_coupling`) is sped up by a train group, not
+  by rollout devices that would only idle too. Without economics the paper's directions hold.
 
 State stays with the caller: it passes the `ERSHistory` returned by the previous boundary and gets
 the updated one back, so `decide` is a pure function.
@@ -97,6 +105,13 @@ class MoveEconomics:
     horizon_steps: int  # steps left in which a move's gain accrues
     scaling: float = 1.0  # speed one more group adds to a role, as a fraction of linear scaling
     ref_busy_s: float = 0.0  # seconds the ref role computed on its own groups during the last step
+    # the rollout's own scaling (fraction of linear) at its current load, when the backend can tell it
+    # from its engine's costs; None: `scaling`
+    rollout_scaling: float | None = None
+    # seconds the rollout's production of a batch moves per second of train time: while the staleness
+    # bound holds admission, each update frees the next samples (ours: 1 / (eta + 1) times the share
+    # of the step the producer was held by it); 0: production is independent of the trainer
+    train_coupling: float = 0.0
 
     def __post_init__(self):
         for name in ("train_busy_s", "rollout_busy_s", "move_cost_s", "horizon_steps", "ref_busy_s"):
@@ -104,6 +119,10 @@ class MoveEconomics:
                 raise ValueError(f"ERS economics {name}={getattr(self, name)} must be >= 0")
         if not 0.0 <= self.scaling <= 1.0:
             raise ValueError(f"ERS economics scaling={self.scaling} must be in [0, 1]")
+        if self.rollout_scaling is not None and not 0.0 <= self.rollout_scaling <= 1.0:
+            raise ValueError(f"ERS economics rollout_scaling={self.rollout_scaling} must be in [0, 1]")
+        if not 0.0 <= self.train_coupling <= 1.0:
+            raise ValueError(f"ERS economics train_coupling={self.train_coupling} must be in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,35 +155,42 @@ def move_gain(s: ERSSignals, e: MoveEconomics, to_role: str, from_role: str | No
 
     The step is bounded by the trainer's compute `t` and by the rollout's production time `R`
     (`t + idle` when the trainer idled for data, else at least the rollout's compute `r`); only the
-    compute parts scale with devices:
+    compute parts scale with devices, and the production follows the trainer by `train_coupling` k:
 
-        t' = t * speed(n) / speed(n +- 1),  r' = r * speed(m) / speed(m -+ 1),
-        gain = max(t, R) - max(t', R - r + r')
+        t' = t * speed(n) / speed(n +- 1),  r' = r * speed_r(m) / speed_r(m -+ 1),
+        R' = R - r + r' + k * (t' - t),     gain = max(t, R) - max(t', R')
 
-    with n, m the train and rollout groups now and speed(k) = 1 + scaling * (k - 1).
-
-    A ref group moving to rollout leaves the trainer's groups as they are; when it is the last one,
-    the ref pass (`ref_busy_s` on the f ref groups) runs colocated on the train groups from then on:
-    t' = t + ref_busy_s * speed(f) / speed(n). With ref groups left, the ref pass stays off the
-    trainer's devices (t' = t; its slower pipeline is not modelled).
+    with n, m the train and rollout groups now, speed(j) = 1 + scaling * (j - 1) and speed_r the same
+    with `rollout_scaling`. When the last ref group leaves, the ref pass (`ref_busy_s` on its f
+    groups) runs colocated on the train groups from then on: t grows by ref_busy_s * speed(f) /
+    speed(n) first (a ref group joining train then speeds all of it up). With ref groups left, the
+    ref pass stays off the trainer's devices (its slower pipeline is not modelled).
     """
-    n, m, c = s.train_groups, s.rollout_groups, e.scaling
-    if from_role == REF:
-        if to_role != ROLLOUT or s.ref_groups < 1:
-            return -float("inf")
-        t, r = e.train_busy_s, e.rollout_busy_s
-        t_new = t + (e.ref_busy_s * _speed(s.ref_groups, c) / _speed(n, c) if s.ref_groups == 1 else 0.0)
-        r_new = r * _speed(m, c) / _speed(m + 1, c)
-        production = t + s.trainer_idle_s if s.trainer_idle_s > 0 else r
-        return max(t, production) - max(t_new, production - r + r_new)
-    dn = 1 if to_role == TRAIN else -1
-    if n + dn < 1 or m - dn < 1:
+    n, m, f = s.train_groups, s.rollout_groups, s.ref_groups
+    if from_role is None:
+        from_role = TRAIN if to_role == ROLLOUT else ROLLOUT
+    held = {ROLLOUT: m, TRAIN: n, REF: f}
+    if to_role not in (ROLLOUT, TRAIN) or from_role not in held or from_role == to_role or held[from_role] < 1:
         return -float("inf")
-    t_new = e.train_busy_s * _speed(n, c) / _speed(n + dn, c)
-    r_new = e.rollout_busy_s * _speed(m, c) / _speed(m - dn, c)
+    if from_role in (ROLLOUT, TRAIN) and held[from_role] < 2:
+        return -float("inf")
+    c = e.scaling
+    c_r = c if e.rollout_scaling is None else e.rollout_scaling
     t, r = e.train_busy_s, e.rollout_busy_s
+    t_new, r_new = t, r
+    if from_role == REF and f == 1:
+        t_new = t + e.ref_busy_s * _speed(f, c) / _speed(n, c)
+    if to_role == TRAIN:
+        t_new = t_new * _speed(n, c) / _speed(n + 1, c)
+        if from_role == ROLLOUT:
+            r_new = r * _speed(m, c_r) / _speed(m - 1, c_r)
+    else:
+        r_new = r * _speed(m, c_r) / _speed(m + 1, c_r)
+        if from_role == TRAIN:
+            t_new = t * _speed(n, c) / _speed(n - 1, c)
     production = t + s.trainer_idle_s if s.trainer_idle_s > 0 else r
-    return max(t, production) - max(t_new, production - r + r_new)
+    production_new = production - r + r_new + e.train_coupling * (t_new - t)
+    return max(t, production) - max(t_new, production_new)
 
 
 def measured_scaling(groups_before: int, groups_after: int, time_ratio: float, prior: float = 1.0) -> float:
@@ -172,13 +198,22 @@ def measured_scaling(groups_before: int, groups_after: int, time_ratio: float, p
     same work) when it went from `groups_before` to `groups_after` groups; clipped to [0, 1].
 
     speed(b) / speed(a) = ratio  =>  scaling = (ratio - 1) / ((b - 1) - ratio * (a - 1)).
+
+    A ratio at or beyond linear (a / b) gives 1, one at or beyond no change gives 0 (the formula's pole
+    lies beyond linear, where it would turn negative).
     """
     if groups_before < 1 or groups_after < 1 or not time_ratio > 0:
         raise ValueError(f"measured_scaling needs groups >= 1 and a positive time ratio; got "
                          f"{groups_before} -> {groups_after}, ratio {time_ratio}")
-    denominator = (groups_before - 1) - time_ratio * (groups_after - 1)
-    if groups_before == groups_after or denominator == 0:
+    if groups_before == groups_after:
         return prior
+    linear = groups_before / groups_after
+    more = groups_after > groups_before  # faster with more groups: ratio from 1 down to linear
+    if (time_ratio <= linear) if more else (time_ratio >= linear):
+        return 1.0
+    if (time_ratio >= 1.0) if more else (time_ratio <= 1.0):
+        return 0.0
+    denominator = (groups_before - 1) - time_ratio * (groups_after - 1)
     return min(1.0, max(0.0, (time_ratio - 1.0) / denominator))
 
 
@@ -216,24 +251,41 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig 
         to_role, reason = TRAIN, "consumption deficit"
     else:
         return None, history
+    groups[REF], minimum[REF] = s.ref_groups, 0
+
+    def reversal(frm: str, to: str) -> bool:
+        """Back toward the side the last move took a group from, within the cooldown (ref -> train
+        and rollout -> train are one direction, toward training)."""
+        return (history.last_move_to is not None and to != history.last_move_to
+                and history.boundaries_since_move <= config.cooldown and s.phase == "train")
+
     from_role = TRAIN if to_role == ROLLOUT else ROLLOUT
     if to_role == ROLLOUT and s.ref_groups > 0:
-        from_role = REF  # colocated from now on: the ref devices are the idle ones
-    groups[REF], minimum[REF] = s.ref_groups, 0
-    reversal = history.last_move_to == from_role and history.boundaries_since_move <= config.cooldown
-    if from_role == REF:
-        reversal = history.last_move_to == TRAIN and history.boundaries_since_move <= config.cooldown
-    if groups[from_role] <= minimum[from_role]:
-        return None, dataclasses.replace(history, refused=f"{reason}: {from_role} at its minimum")
-    if reversal and s.phase == "train":
-        return None, dataclasses.replace(history, refused=f"{reason}: reverse move within the cooldown")
+        from_role = REF  # colocated from now on: the ref devices are the ones that would idle
     gain = cost = None
     if economics is not None and s.phase == "train":
-        gain = move_gain(s, economics, to_role, from_role) * economics.horizon_steps
-        cost = economics.move_cost_s
+        candidates = [(frm, to) for frm, to in ((REF, ROLLOUT), (TRAIN, ROLLOUT), (REF, TRAIN), (ROLLOUT, TRAIN))
+                      if groups[frm] > minimum[frm]]
+        if not candidates:
+            return None, dataclasses.replace(history, refused=f"{reason}: every role at its minimum")
+        gains = {mv: move_gain(s, economics, mv[1], mv[0]) for mv in candidates}
+        (from_role, to_role), best = max(gains.items(), key=lambda kv: kv[1])  # first listed on ties
+        if reversal(from_role, to_role):  # the best move is held: no second-best move instead
+            return None, dataclasses.replace(
+                history, refused=f"{reason}: the best move ({from_role} -> {to_role}) reverses the last one "
+                                 f"within the cooldown")
+        gain, cost = best * economics.horizon_steps, economics.move_cost_s
         if not gain > cost:
             return None, dataclasses.replace(
-                history, refused=f"{reason}: predicted gain {gain:.2f}s over {economics.horizon_steps} "
-                                 f"steps does not pay the move's {cost:.2f}s")
-    move = Move(from_role, to_role, RA2P_MODE_AFTER_MOVE_TO[to_role], reason, gain, cost)
+                history, refused=f"{reason}: the best move ({from_role} -> {to_role}) predicts {gain:.2f}s over "
+                                 f"{economics.horizon_steps} steps, which does not pay the move's {cost:.2f}s")
+    else:
+        if groups[from_role] <= minimum[from_role]:
+            return None, dataclasses.replace(history, refused=f"{reason}: {from_role} at its minimum")
+        if reversal(from_role, to_role):
+            return None, dataclasses.replace(history, refused=f"{reason}: reverse move within the cooldown")
+    mode = RA2P_MODE_AFTER_MOVE_TO[to_role]
+    if from_role == REF and s.ref_groups == 1:  # the last ref group: the ref pass runs on the train devices
+        mode = RA2P_MODE_AFTER_MOVE_TO[ROLLOUT]
+    move = Move(from_role, to_role, mode, reason, gain, cost)
     return move, ERSHistory(last_move_to=to_role)

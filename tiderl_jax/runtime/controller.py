@@ -241,6 +241,9 @@ class Controller:
         self.bidirl_scaling = config.bidirl_scaling
         self._arrivals: collections.deque = collections.deque(maxlen=64)  # (time, samples) of ready groups
         self._producer_blocked = False  # the staleness bound stops admission until the next version
+        self._held_by_staleness_s = 0.0  # seconds the staleness bound (not max_concurrent) held admission
+        self._held_mark = 0.0  # its value at the last step boundary
+        self._held_since: float | None = None  # when the hold in progress began
 
     @property
     def discarded(self) -> int:
@@ -279,9 +282,16 @@ class Controller:
                                      self.version, self.cfg.batch_samples, self.accepted)
             if cap < G:
                 self._producer_blocked = True
+                # held by the staleness bound's term of the capacity (not by max_concurrent): ERS's coupling
+                eta = self.cfg.staleness.eta
+                if (eta + self.version + 1) * self.cfg.batch_samples - (self.accepted + self.running) < G:
+                    self._held_since = self.clock()
                 self._wake.clear()
                 await self._wake.wait()
                 self._producer_blocked = False
+                if self._held_since is not None:
+                    self._held_by_staleness_s += self.clock() - self._held_since
+                    self._held_since = None
                 continue
             if self.resume_groups:
                 group = self.resume_groups.pop(0)
@@ -455,6 +465,8 @@ class Controller:
         compile_s = out.pop("compile_s", 0.0)
         m = len(batch)
         self._timings["train_busy"] = max(0.0, dt - compile_s)
+        # the actor's part (the ref pass, when it ran here, is off the train devices in the other RA2P mode)
+        self._timings["actor_busy"] = max(0.0, dt - compile_s - out.get("time_ref_s", 0.0))
         if compile_s == 0.0 and "time_update_s" in out:
             self._timings["t_act"] = (out["time_proximal_s"] + out["time_update_s"]) / m
             if out["time_ref_s"] > 0:  # the ref ran here (colocated)
@@ -540,13 +552,20 @@ class Controller:
     def _compile_seconds(self) -> float:
         return self.backend.compile_s()
 
-    def _ers_economics(self, tokens: int) -> ers.MoveEconomics:
+    def _ers_economics(self, tokens: int, step_time: float) -> ers.MoveEconomics:
         """What a move would cost and buy, from measurements: the trainer's and the rollout's busy
         seconds in the last step; the move's cost as measured for the last move (its reshard plus
         the compiles of the step after it), or before any move, the backend's estimate if it has one
         (the simulator's switch time), else the compile seconds spent so far (a new mesh needs those
         programs again); the scaling measured on the last move that changed
-        the trainer (`ers_scaling` before any)."""
+        the trainer (`ers_scaling` before any); the rollout's own scaling when the backend can tell it
+        from its engine's costs at its load (`rollout_scaling`); and the coupling of production to
+        the trainer: the share of the step the staleness bound held admission, over eta + 1."""
+        now = self.clock()
+        held = self._held_by_staleness_s + (now - self._held_since if self._held_since is not None else 0.0)
+        held, self._held_mark = held - self._held_mark, held
+        coupling = min(1.0, held / step_time) / (self.cfg.staleness.eta + 1) if step_time > 0 else 0.0
+        rollout_scaling = self.backend.rollout_scaling() if hasattr(self.backend, "rollout_scaling") else None
         rollout_busy = self.metrics.busy_s["rollout"] - self._rollout_busy_mark
         ref_busy = self.metrics.busy_s["ref"] - self._ref_busy_mark
         self._rollout_busy_mark, self._ref_busy_mark = self.metrics.busy_s["rollout"], self.metrics.busy_s["ref"]
@@ -554,8 +573,9 @@ class Controller:
         if probe is not None:  # the first step on the new layout: measure what the move did
             self._scaling_probe = None
             self._move_cost = probe["seconds"] + self._compile_seconds() - probe["compiled"]
-            if tokens > 0 and probe["per_token"] > 0 and train_busy > 0:
-                ratio = (train_busy / tokens) / probe["per_token"]
+            actor_busy = self._timings.get("actor_busy", train_busy)
+            if tokens > 0 and probe["per_token"] > 0 and actor_busy > 0:
+                ratio = (actor_busy / tokens) / probe["per_token"]
                 self.ers_scaling = ers.measured_scaling(probe["groups"], self.pool.num_groups("train"),
                                                         ratio, prior=self.ers_scaling)
                 log.info("ERS: trainer time per token x%.2f on %d -> %d groups: scaling %.2f of linear; "
@@ -569,12 +589,12 @@ class Controller:
             cost = self._compile_seconds()
         return ers.MoveEconomics(train_busy_s=train_busy, rollout_busy_s=rollout_busy, move_cost_s=cost,
                                  horizon_steps=self.cfg.steps - self.step, scaling=self.ers_scaling,
-                                 ref_busy_s=ref_busy)
+                                 ref_busy_s=ref_busy, rollout_scaling=rollout_scaling, train_coupling=coupling)
 
     async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float, tokens: int):
         if self.cfg.mode != "tiderl":
             return
-        economics = self._ers_economics(tokens)
+        economics = self._ers_economics(tokens, step_time)
         signals = ers.ERSSignals(
             ready_volume=sum(len(g.trajectories) for g in self.ready), ideal_batch=self.cfg.batch_samples,
             trainer_idle_s=waited, hol_latency_s=hol, step_time_s=step_time, ras=ras,
@@ -597,8 +617,9 @@ class Controller:
             self.metrics.set_devices(lane, len(self.pool.devices_of(lane)))
         self.ra2p_mode = move.ra2p_mode
         seconds = self.clock() - t0
+        actor_busy = self._timings.get("actor_busy", self._timings["train_busy"])
         self._scaling_probe = dict(groups=groups_before, seconds=seconds, compiled=compiled,
-                                   per_token=self._timings["train_busy"] / max(tokens, 1))
+                                   per_token=actor_busy / max(tokens, 1))
         self._timings.update(t_act=None, t_ref_col=None)  # measured again on the new mesh
         record = dict(step=self.step, frm=move.from_role, to=move.to_role, reason=move.reason,
                       seconds=seconds, predicted_gain_s=move.gain_s, predicted_cost_s=move.cost_s)

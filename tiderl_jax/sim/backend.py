@@ -337,10 +337,15 @@ class SimBackend:
             span_devices=config.tp if pool is None else num_devices, latency_s=config.sync_fixed_s)
         self.replicas: dict[tuple, _Replica] = {}
         self._rid = 0
-        self._load: list[tuple[int, int, _Replica]] = []  # lazy heap (live, rid, replica)
+        self._load_heap: list[tuple[int, int, _Replica]] = []  # lazy heap (live, rid, replica)
         self.counters = dict(prompt_tokens=0, prompt_tokens_cached=0, prefill_tokens=0, decode_tokens=0,
                              events=0, ctb_evictions=0, cache_evictions=0, moved_tasks=0)
         self._events = self._decode_tokens = 0  # counted apart (every event), merged into `counters` by stats()
+        # the replicas' load since the last `rollout_scaling`: decode steps, busy and prefill seconds of their
+        # spans, and task-seconds running / queued behind a full replica (what admission left waiting)
+        self._load_mark = (0, 0, 0.0, 0.0, 0.0, 0.0)  # (steps, tokens, busy, prefill, running, queued) at the last call
+        self._load_steps = 0
+        self._load_busy = self._load_prefill = self._load_running = self._load_queued = 0.0
         self._chunk = config.decode_chunk
         self._decode_flops = 2.0 * self._matmul_params
         self._finished: collections.deque[int] = collections.deque(maxlen=config.finished_window)
@@ -689,6 +694,47 @@ class SimBackend:
     def compile_s(self) -> float:
         return 0.0
 
+    def rollout_scaling(self) -> float | None:
+        """The speed one more rollout device group would add, as a fraction of linear (ERS's economics,
+        `policies.ers.MoveEconomics.rollout_scaling`), from the replicas' costs at their load since the
+        last call (ours). With g more devices the n replicas become n' = n + g / tp:
+
+        - task-seconds queued behind a full replica (share q) would start sooner: linear, n / n';
+        - prefill (share p of the busy time) is compute: linear;
+        - decode runs the same sequences' tokens at a smaller batch per replica, B' = B n / n', each
+          step costing `decode_step(B', context)` instead of `decode_step(B, context)`; memory-bound
+          decoding at small B barely gets faster.
+
+        ratio = q n/n' + (1 - q) (p n/n' + (1 - p) step(B') / step(B)); then the scaling that gives it
+        (`ers.measured_scaling`). None before any load was seen."""
+        from tiderl_jax.policies import ers  # (policies import nothing of the simulator)
+
+        mark = (self._load_steps, self._decode_tokens, self._load_busy, self._load_prefill, self._load_running,
+                self._load_queued)
+        steps, tokens, busy, prefill, running, queued = (a - b for a, b in zip(mark, self._load_mark))
+        self._load_mark = mark
+        devices = len(self._devices("rollout")) if self.pool is not None else 0
+        if self.pool is None or steps <= 0 or tokens <= 0 or busy <= 0 or not devices:
+            return None
+        tp = self.cfg.tp or devices
+        n = devices / tp
+        n_new = n + self.pool.group_size / tp
+        linear = n / n_new
+        batch = tokens / steps
+        live = [r for r in self.replicas.values() if r.running]
+        seqs = sum(len(r.running) for r in live)
+        context = (sum(r.ctx_base + len(r.running) * r.steps for r in live) / seqs if seqs else
+                   self.workload.prompt_tokens.mean() + self.workload.tokens_per_turn.mean())
+        def step(b):
+            if self.measured is not None:
+                return self.measured.decode_step_s + self.measured.decode_per_seq_s * b
+            return self._decode_step(b, b * context)
+        p = min(1.0, prefill / busy)
+        q = queued / (queued + running) if queued + running > 0 else 0.0
+        ratio = q * linear + (1 - q) * (p * linear + (1 - p) * step(batch * linear) / step(batch))
+        groups = devices / self.pool.group_size
+        return ers.measured_scaling(round(groups), round(groups) + 1, ratio)
+
     def move_cost_estimate(self) -> float:
         """What one ERS move of a device group costs here (the controller's economics before any move
         is measured): the measured switch time, or the roofline switch of a train group's state."""
@@ -756,7 +802,7 @@ class SimBackend:
                 r.borrowed = key in self._borrowed
                 self._rid += 1
                 self.replicas[key] = r
-                heapq.heappush(self._load, (0, r.rid, r))
+                heapq.heappush(self._load_heap, (0, r.rid, r))
         for s in orphans:  # tasks in flight continue on other replicas (sticky tasks now waiting: on return)
             self.counters["moved_tasks"] += 1
             s.replica = None
@@ -768,10 +814,10 @@ class SimBackend:
 
     def _pick(self) -> _Replica:
         """The alive replica with the fewest live tasks (lowest id on ties), from a lazy heap."""
-        while self._load:
-            live, rid, r = self._load[0]
+        while self._load_heap:
+            live, rid, r = self._load_heap[0]
             if not r.alive or live != r.live:
-                heapq.heappop(self._load)
+                heapq.heappop(self._load_heap)
                 continue
             return r
         raise RuntimeError("no rollout replica")
@@ -779,9 +825,9 @@ class SimBackend:
     def _set_live(self, r: _Replica, delta: int) -> None:
         r.live += delta
         if r.alive:
-            load = self._load
+            load = self._load_heap
             if len(load) > 4 * len(self.replicas) + 64:  # stale entries sink and stay: rebuilt from the replicas
-                load = self._load = [(q.live, q.rid, q) for q in self.replicas.values()]
+                load = self._load_heap = [(q.live, q.rid, q) for q in self.replicas.values()]
                 heapq.heapify(load)
             else:
                 heapq.heappush(load, (r.live, r.rid, r))
@@ -995,6 +1041,8 @@ class SimBackend:
                 self._add_busy(r, r.w_dur)
             elif self._span_lane:
                 self._span_busy += r.w_dur * self._replica_devices
+            self._load_steps += r.w_step - r.steps
+            self._load_busy += r.w_dur
             r.steps = last = r.w_step
             ends = r.ends
             if ends and ends[0][0] <= last:  # turns of the span's last event (none end before it)
@@ -1012,6 +1060,7 @@ class SimBackend:
         else:
             prefill = 0.0
         B = len(r.running)
+        self._load_prefill += prefill
         if not B:  # idle until something arrives
             r.retry = False
             if busy:
@@ -1033,6 +1082,9 @@ class SimBackend:
             self._busy_replicas += 1
             if self._busy_replicas == 1:
                 self._busy_first()
+        span = end - now
+        self._load_running += B * span
+        self._load_queued += (len(r.queue) + len(r.pending)) * span
         r.wake_at = end  # (`_drive` runs this: no loop timer to arm)
         self._order += 1
         heapq.heappush(self._heap, (end, self._order, self._wake, r))
