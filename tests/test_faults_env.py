@@ -439,3 +439,24 @@ def test_cancelled_call_kills_the_worker(tmp_path):
         finally:
             w.close()
     asyncio.run(go())
+
+
+def test_an_error_in_on_snapshot_reaches_the_call_and_the_worker_goes_on():
+    task = Task("count/10", "count", "p", "", {"steps": 5})
+
+    def broken(*args):
+        raise ValueError("on_snapshot failed")
+
+    async def go():
+        w = EnvWorker(fault_envs.make_counting, timeout_s=10)
+        try:
+            await w.reset(task)
+            w.on_snapshot = broken
+            await w.step("a", snapshot=True)
+            with pytest.raises(ValueError, match="on_snapshot failed"):
+                await w.ping()  # handed over during it, or as it starts
+            w.on_snapshot = None
+            assert (await w.step("b")).observation.startswith("step 2 after 'b'")
+        finally:
+            w.close()
+    asyncio.run(go())

@@ -414,12 +414,15 @@ class EnvWorker:
             try:
                 status, seq, payload = pickle.loads(frame)
             except Exception as e:  # noqa: BLE001 - an unreadable reply fails the call waiting for it
-                self._resolve(None, "unreadable", e)
+                self._resolve(None, "raise", e)
                 continue
             if status in ("snapshot", "snapshot_error"):  # pushed after an earlier step+snapshot
                 if self._waiting is not None:
                     if self.on_snapshot is not None:
-                        self.on_snapshot(seq, status == "snapshot", payload)
+                        try:
+                            self.on_snapshot(seq, status == "snapshot", payload)
+                        except Exception as e:  # noqa: BLE001 - raised to the waiting call, as it was
+                            self._resolve(None, "raise", e)
                 else:
                     self._pushed.append((seq, status == "snapshot", payload))
             else:
@@ -508,7 +511,7 @@ class EnvWorker:
                                     f"(pid {proc.pid}) was killed")
             if status == "crashed":
                 raise self._crashed(op)
-            if status == "unreadable":
+            if status == "raise":
                 raise payload
             name, is_snapshot_error, message, tb = payload
             if is_snapshot_error:
