@@ -2,6 +2,7 @@
 well under a second of wall time, virtual time advances, sync takes turns, staleness stays bounded,
 CTB keeps more KV than request-level rollout, runs are deterministic, and ERS moves device groups."""
 
+import json
 import time
 
 import numpy as np
@@ -240,3 +241,9 @@ def test_ers_gives_the_ref_group_to_the_trainer_when_the_rollout_does_not_scale(
     assert controller.moves and (controller.moves[0]["frm"], controller.moves[0]["to"]) == ("ref", "train")
     assert controller.moves[0]["predicted_gain_s"] > controller.moves[0]["predicted_cost_s"]
     assert backend.pool.num_groups("train") >= 2
+    # what it weighed: production held by the staleness bound for part of the step, a rollout that
+    # barely scales; both in the step log
+    e = controller.ers_economics
+    assert 0.0 < e.train_coupling <= 0.5 and e.rollout_scaling is not None and e.rollout_scaling < 0.5
+    rows = [json.loads(line) for line in open(tmp_path / "tiderl" / "metrics.jsonl")]
+    assert all("ers_train_coupling" in r and "ers_rollout_scaling" in r for r in rows)

@@ -244,6 +244,7 @@ class Controller:
         self._held_by_staleness_s = 0.0  # seconds the staleness bound (not max_concurrent) held admission
         self._held_mark = 0.0  # its value at the last step boundary
         self._held_since: float | None = None  # when the hold in progress began
+        self.ers_economics: ers.MoveEconomics | None = None  # what ERS weighed at the last boundary
 
     @property
     def discarded(self) -> int:
@@ -594,7 +595,7 @@ class Controller:
     async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float, tokens: int):
         if self.cfg.mode != "tiderl":
             return
-        economics = self._ers_economics(tokens, step_time)
+        economics = self.ers_economics = self._ers_economics(tokens, step_time)
         signals = ers.ERSSignals(
             ready_volume=sum(len(g.trajectories) for g in self.ready), ideal_batch=self.cfg.batch_samples,
             trainer_idle_s=waited, hol_latency_s=hol, step_time_s=step_time, ras=ras,
@@ -626,6 +627,14 @@ class Controller:
         self.moves.append(record)
         log.info("ERS: moved one device group %s -> %s (%s; predicted gain %s for cost %s) in %.2fs",
                  move.from_role, move.to_role, move.reason, move.gain_s, move.cost_s, seconds)
+
+    def _ers_log(self) -> dict:
+        """ERS's economics at the last boundary, for the step log (tiderl)."""
+        e = self.ers_economics
+        if e is None:
+            return {}
+        return dict(ers_train_coupling=e.train_coupling, ers_scaling=e.scaling,
+                    ers_rollout_scaling=float("nan") if e.rollout_scaling is None else e.rollout_scaling)
 
     def load_policy(self, params) -> None:
         """Starts from these weights (the warm start): the actor, the reference model and the
@@ -711,7 +720,8 @@ class Controller:
                     ra2p_decoupled=float(self.ra2p_mode == ra2p.DECOUPLED),
                     ra2p_cost_colocated=decision.cost_colocated if decision else float("nan"),
                     ra2p_cost_decoupled=decision.cost_decoupled if decision else float("nan"),
-                    rollout_devices=self.metrics.devices.get("rollout", 0)))
+                    rollout_devices=self.metrics.devices.get("rollout", 0),
+                    **self._ers_log()))
                 if decision is not None:
                     log.info("RA2P: %s (colocated %.2fs, decoupled %.2fs)", decision.mode,
                              decision.cost_colocated, decision.cost_decoupled)
