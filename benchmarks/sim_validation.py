@@ -142,6 +142,17 @@ def demo_shapes(count: int = 64) -> dict[str, list[tuple]]:
     return out
 
 
+def shared_prefix(shapes: dict) -> int:
+    """Tokens every task's prompt starts with (the system prompt and the chat template's head): what the
+    engine's prefix cache shares across tasks (`SimConfig.shared_prefix_tokens`)."""
+    prompts = [r[3] for rows in shapes.values() for r in rows]
+    n = min(len(p) for p in prompts)
+    for i in range(n):
+        if any(p[i] != prompts[0][i] for p in prompts):
+            return i
+    return n
+
+
 def shape_sampler(shapes: dict, latency: tuple[float, float, float] | None):
     """`SimBackend.shape_sampler`: group g is task g // len(KINDS) of kind KINDS[g % len(KINDS)] (the
     controller's `_next_task`), every sample of it the demonstration's shape, latencies drawn per call."""
@@ -368,6 +379,73 @@ class _Lab:
         return max(1.0, x_roll), max(1.0, x_train)
 
 
+    # -------------------------------------------------------------- the rollout loop alone
+
+    def rollout(self, params, kv_mode: str, groups: int, in_flight: int) -> dict:
+        """The real rollout loop alone: `RolloutRunner` (goodput.py's engine with its prefix cache, its
+        rollout config) on the 4-device rollout mesh with the policy `params`, no environment latency,
+        `groups` GRPO groups of the controller's tasks with `in_flight` groups running at a time (the next
+        starts when one ends, as the controller's capacity admits them). Returns the wall seconds, the
+        engine calls the loop made (`calls`: (start, end, prefilled) each, timed inside the loop), the
+        engine's counters, and every sample's shape (prompt, model tokens per turn, observation tokens
+        between turns): what the real policy writes on these tasks."""
+        import asyncio
+
+        from tiderl_jax.agents.env import LatencyModel
+        from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
+        from tiderl_jax.engine.engine import Engine, EngineConfig
+        from tiderl_jax.model.sharding import place_copy
+        from tiderl_jax.runtime.devices import model_on
+
+        key = ("rollout", kv_mode)
+        if key not in self._engines:
+            self._engines[key] = Engine(model_on(self.graphdef, self.params, self.mesh(4), self.rules),
+                                        EngineConfig(**ENGINE))
+        eng = self._engines[key]
+        # a new version: the prefix cache of an earlier pass does not hit
+        eng.update_params(place_copy(params, self.jax.tree.map(lambda x: x.sharding, eng.runner.params)),
+                          eng.version + 1)
+        runner = RolloutRunner(eng, Tokenizer.builtin(), RolloutConfig(
+            mode=kv_mode, max_turns=8, max_new_tokens=96, max_context=1024))
+        calls = []
+
+        class _Span:
+            def __enter__(self):
+                self.c0, self.t0 = eng._counters["prefill_calls"], time.perf_counter()
+
+            def __exit__(self, *exc):
+                calls.append((self.t0, time.perf_counter(), eng._counters["prefill_calls"] > self.c0))
+        runner.step_span = _Span
+        c0 = dict(eng._counters)
+
+        async def main():
+            await runner.start(task_lib.TaskEnvFactory(LatencyModel()))
+            slots = asyncio.Semaphore(in_flight)
+
+            async def group(g):
+                async with slots:
+                    task = task_lib.make_task(KINDS[g % len(KINDS)], g // len(KINDS), "train", 0)
+                    return await asyncio.gather(*(runner.submit(task, g, expected_group_size=GROUP_SIZE, sample=i)
+                                                  for i in range(GROUP_SIZE)))
+            t0 = time.perf_counter()
+            out = await asyncio.gather(*(group(g) for g in range(groups)))
+            wall = time.perf_counter() - t0
+            await runner.stop()
+            return out, wall
+        out, wall = asyncio.run(main())
+        shapes = []
+        for trajs in out:
+            rows = []
+            for t in trajs:
+                turns = t.turns
+                rows.append((turns[0].start, tuple(u.end - u.start for u in turns),
+                             tuple(b.start - a.end for a, b in zip(turns, turns[1:]))))
+            shapes.append(rows)
+        c = {k: eng._counters[k] - c0[k] for k in c0}
+        c["prefix_hit_rate"] = c["prompt_tokens_cached"] / max(1, c["prompt_tokens"])
+        return dict(wall_s=wall, calls=calls, counters=c, shapes=shapes)
+
+
 def _wall(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -450,7 +528,8 @@ def simulate(mode: str, measured: costs.MeasuredCosts, shapes: dict, seed: int) 
                             train_groups=2 if mode == "async" else 1, tensor=2)
     sim = sim_backend.SimConfig(workload=w, tp=0, page_size=ENGINE["page_size"], kv_pages=ENGINE["num_pages"],
                                 max_batch=ENGINE["max_running"], decode_chunk=ENGINE["decode_steps"],
-                                measured=measured, seed=seed)
+                                measured=measured, engine_steps=True, shared_prefix_tokens=shared_prefix(shapes),
+                                seed=seed)
     logdir = tempfile.mkdtemp(prefix=f"simval_{mode}_")
     summary, _, _ = sim_backend.run(sim, ccfg, num_devices=8, logdir=logdir,
                                     shape_sampler=shape_sampler(shapes, None if mode == "limit" else LATENCY))
@@ -460,6 +539,61 @@ def simulate(mode: str, measured: costs.MeasuredCosts, shapes: dict, seed: int) 
     return dict(goodput_tokens_per_s=(b["consumed_tokens"] - a["consumed_tokens"]) / span,
                 step_time_s=span / (len(rows) - SKIP), kv_hit_rate=summary["kv_hit_rate"],
                 moves=summary["moves"], discarded=summary["discarded"])
+
+
+def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], kv_mode: str, in_flight: int) -> dict:
+    """`_Lab.rollout`'s scenario on `SimBackend` (no training, so no shared cores): the same sample shapes
+    (group g: shapes[g], one per sample), no environment latency, `in_flight` groups at a time. Returns the
+    virtual seconds, the engine calls (events) and prefill events simulated, and the KV hit rate."""
+    import asyncio
+
+    from tiderl_jax.runtime.pool import split_devices
+
+    mode = "tiderl" if kv_mode == "ctb" else "async"
+    every = [r for g in shapes for r in g]
+    w = dataclasses.replace(goodput_workload(demo_shapes(4)), turns=workloads.Fixed(
+        round(statistics.mean(len(r[1]) for r in every))))
+    sim = sim_backend.SimConfig(workload=w, tp=0, page_size=ENGINE["page_size"], kv_pages=ENGINE["num_pages"],
+                                max_batch=ENGINE["max_running"], decode_chunk=ENGINE["decode_steps"],
+                                measured=dataclasses.replace(measured, rollout_overlap_x=1.0, train_overlap_x=1.0),
+                                engine_steps=True, shared_prefix_tokens=shared_prefix(demo_shapes(4)))
+    pool = split_devices(range(8), mode=mode, group_size=2, rollout=2, ref=1 if mode == "tiderl" else 0,
+                         train=1 if mode == "tiderl" else 2, tensor=2)
+    b = sim_backend.SimBackend(sim, mode=mode, pool=pool, num_devices=8)
+    b.shape_sampler = lambda g, rng, n: [workloads.TaskSample(p, gen, obs, (0.0,) * len(obs), False)
+                                         for p, gen, obs in shapes[g][:n]]
+    events = []
+    walk = b._walk
+
+    def counted(r, until):  # one entry per event timed (a re-timed event is counted once: last wins)
+        t = walk(r, until)
+        events.append((r.span[0], r.one_step))
+        return t
+    b._walk = counted
+
+    async def main():
+        await b.start(None, None, None)
+        slots = asyncio.Semaphore(in_flight)
+
+        async def group(g):
+            async with slots:
+                task = task_lib.make_task(KINDS[g % len(KINDS)], g // len(KINDS), "train", 0)
+                await b.generate_group(task, g, list(range(len(shapes[g]))), len(shapes[g]))
+        t0 = b.loop.time()
+        await asyncio.gather(*(group(g) for g in range(len(shapes))))
+        wall = b.loop.time() - t0
+        await b.stop()
+        return wall
+    try:
+        asyncio.set_event_loop(b.loop)
+        wall = b.loop.run_until_complete(main())
+    finally:
+        asyncio.set_event_loop(None)
+        b.loop.close()
+    starts = {}
+    for start, one in events:
+        starts[start] = one
+    return dict(wall_s=wall, calls=len(starts), one_step_calls=sum(starts.values()), kv_hit_rate=b.kv_hit_rate())
 
 
 def load_measured(paths: list[str]) -> tuple[dict[str, list[float]], list[str]]:

@@ -160,6 +160,16 @@ class SimConfig:
     war_speculation: bool = False
     spec_draft_tokens: int = 4
     spec_accepted_tokens: float = 2.0
+    # the real engine's step rule (`engine.Engine.step`; measured costs only): an event that prefills,
+    # or leaves a turn waiting in the queue, decodes 1 step; any other decodes `decode_chunk` steps
+    # whatever the running turns have left (ended rows ride along); the turns an event ends reach the
+    # rollout loop when the event ends (the engine's call returns), not at their own step
+    engine_steps: bool = False
+    # with `engine_steps`, the engine's prefix cache for first turns: blocks are shared once computed, so a
+    # GRPO group's prompt hits only for samples admitted in a later event than the group's first (the
+    # samples admitted together all compute it), and a prompt's first `shared_prefix_tokens` (a system
+    # prompt every task shares: its full pages) hit once any prompt was prefilled under this version
+    shared_prefix_tokens: int = 0
 
     def __post_init__(self):
         workloads.workload(self.workload)
@@ -171,9 +181,12 @@ class SimConfig:
         for name in ("page_size", "max_batch", "decode_chunk", "finished_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1")
-        for name in ("kv_pages", "initial_growth", "sync_fixed_s", "switch_fixed_s", "optimizer_bytes_per_param"):
+        for name in ("kv_pages", "initial_growth", "shared_prefix_tokens", "sync_fixed_s", "switch_fixed_s",
+                     "optimizer_bytes_per_param"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 0")
+        if self.engine_steps and self.measured is None:
+            raise ValueError("SimConfig.engine_steps models the real engine's calls: it needs measured costs")
         if self.spec_draft_tokens < 1 or not 1.0 <= self.spec_accepted_tokens <= self.spec_draft_tokens + 1:
             raise ValueError(f"SimConfig: spec_draft_tokens={self.spec_draft_tokens} must be >= 1 and "
                              f"spec_accepted_tokens={self.spec_accepted_tokens} in [1, spec_draft_tokens + 1]")
@@ -255,7 +268,7 @@ class _Replica:
     __slots__ = ("rid", "devices", "capacity", "version", "pending", "queue", "running", "steps", "ends",
                  "maxend", "ctx_base", "vlog", "used", "cache", "cache_pages", "pinned", "footprints", "live",
                  "prompts", "alive", "borrowed", "busy", "retry", "arrivals", "wake_at", "span", "w_step",
-                 "w_last", "w_prev", "w_chunks", "w_dur", "__dict__")
+                 "w_last", "w_prev", "w_chunks", "w_dur", "one_step", "__dict__")
 
     def __init__(self, rid: int, devices: tuple, capacity: int):
         self.rid, self.devices, self.capacity = rid, devices, capacity  # capacity in pages
@@ -274,7 +287,9 @@ class _Replica:
         self.pinned: dict[_Seq, None] = {}  # CTB: waiting tasks holding KV (insertion order)
         self.footprints = 0  # CTB: admitted tasks' footprint estimates (tokens)
         self.live = 0  # tasks placed here and not finished
-        self.prompts: dict[int, list] = {}  # gid -> [version written, samples here holding it]
+        self.prompts: dict[int, list] = {}  # gid -> [version written, samples here holding it, event]
+        self.events = 0  # events that admitted (SimConfig.engine_steps: what a block computed by then is)
+        self.prefix_at = (-1, 0)  # (version, event) of the first prompt prefilled under that version
         self.alive = True
         self.borrowed = False  # BiDiRL: serving on borrowed train devices
         self.busy = False  # a span of events in flight
@@ -290,6 +305,7 @@ class _Replica:
         self.w_prev = 0.0
         self.w_chunks = 0
         self.w_dur = 0.0
+        self.one_step = False  # SimConfig.engine_steps: the span's event prefilled or left a turn waiting
 
 
 class SimBackend:
@@ -357,6 +373,7 @@ class SimBackend:
         self._span_lane = False  # shared lanes (sync): replica busy time is summed per rollout span instead
         self._span_busy = 0.0  # device-seconds of replica events in the open rollout span
         self._spec = config.war_speculation and config.measured is None
+        self._engine_steps = config.engine_steps
         self._mean_latency = self.workload.env_latency_s.mean()
         self._ref_lock: asyncio.Lock | None = None  # created on the loop in start()
         self.metrics = None
@@ -971,10 +988,19 @@ class SimBackend:
                         cached = entry[1]
                 if s.turn == 0 and s.written == 0:
                     p = r.prompts.get(s.gid)
-                    if p is not None and p[0] == r.version and p[1] > 0:
+                    if self._engine_steps:  # blocks computed in an earlier event only (`SimConfig.engine_steps`)
+                        event = r.events
+                        if p is not None and p[0] == r.version and p[1] > 0 and p[2] < event:
+                            cached = max(cached, (s.shape.prompt_tokens - 1) // ps * ps)
+                        elif r.prefix_at[0] == r.version and r.prefix_at[1] < event:
+                            cached = max(cached, min(self.cfg.shared_prefix_tokens, s.shape.prompt_tokens - 1)
+                                         // ps * ps)
+                        if r.prefix_at[0] != r.version:
+                            r.prefix_at = (r.version, event)
+                    elif p is not None and p[0] == r.version and p[1] > 0:
                         cached = max(cached, (s.shape.prompt_tokens - 1) // self.ps * self.ps)
                     if p is None or p[0] != r.version:
-                        r.prompts[s.gid] = p = [r.version, 0]
+                        r.prompts[s.gid] = p = [r.version, 0, r.events]
                     p[1] += 1
             ctx = s.ctx
             new = ctx - cached
@@ -995,6 +1021,7 @@ class SimBackend:
             if end > r.maxend or not running:
                 r.maxend = end
             running[s] = None
+        r.events += 1
         if not prompt_tokens:
             return 0.0
         c = self.counters
@@ -1049,16 +1076,21 @@ class SimBackend:
                 start, prefill, first, step = r.w_last
                 start += prefill
                 pop = heapq.heappop
+                at_end = self._engine_steps  # the engine's call returns them all at once
                 while ends and ends[0][0] <= last:
                     end, _, s = pop(ends)
                     self._retire(r, s)
-                    self._turn_end(r, s, start + (end - first) * step)
+                    self._turn_end(r, s, now if at_end else start + (end - first) * step)
+        admitted = False
         if r.queue or r.pending:
+            before = self._admissions
             prefill = self._admit(r)
+            admitted = self._admissions != before
             if self._host_jobs:  # measured costs, cores shared with a train / ref job
                 prefill *= self.measured.rollout_overlap_x
         else:
             prefill = 0.0
+        r.one_step = admitted or bool(r.queue)  # (read by `_walk` with SimConfig.engine_steps)
         B = len(r.running)
         self._load_prefill += prefill
         if not B:  # idle until something arrives
@@ -1139,9 +1171,12 @@ class SimBackend:
                     break
                 prefill = 0.0
         else:
-            K = maxend - steps
-            if K > chunk:
-                K = chunk
+            if self._engine_steps:  # `Engine.step`: 1 step in a call that prefills or leaves a turn waiting
+                K = 1 if r.one_step else chunk
+            else:
+                K = maxend - steps
+                if K > chunk:
+                    K = chunk
             step = m.decode_step_s + m.decode_per_seq_s * B
             if self._host_jobs:
                 step *= m.rollout_overlap_x

@@ -1,0 +1,98 @@
+"""The simulator's model of the real engine on a host (`SimConfig.engine_steps`, used with measured costs by
+benchmarks/sim_validation.py): its decode-steps rule, when a turn's output reaches the rollout loop, and the
+prefix cache's rule for first turns; and the validation script's helpers."""
+
+import asyncio
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from tiderl_jax.agents import tasks as task_lib
+from tiderl_jax.runtime.pool import split_devices
+from tiderl_jax.sim import backend as sim_backend
+from tiderl_jax.sim import costs, workloads
+from tiderl_jax.sim.backend import SimConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+M = costs.MeasuredCosts(decode_step_s=0.01, decode_per_seq_s=0.0, prefill_fixed_s=0.1, prefill_per_token_s=0.0,
+                        score_fixed_s=0.0, score_per_token_s=1e-4, update_fixed_s=0.0, update_per_token_s=1e-4)
+
+
+def _rollout(shapes, **kw):
+    """Groups of sample shapes ((prompt, gen per turn, obs per gap) each, no latency) on one measured
+    replica, each group placed `gap` seconds after the previous; (virtual seconds, backend)."""
+    gap = kw.pop("gap", 0.0)
+    sim = SimConfig(tp=0, kv_pages=4096, max_batch=64, decode_chunk=8, measured=M, **kw)
+    pool = split_devices(range(8), mode="async", group_size=2, rollout=2, ref=0, train=2, tensor=2)
+    b = sim_backend.SimBackend(sim, mode="async", pool=pool, num_devices=8)
+    b.shape_sampler = lambda g, rng, n: [workloads.TaskSample(p, gen, obs, (0.0,) * len(obs), False)
+                                         for p, gen, obs in shapes[g][:n]]
+
+    async def main():
+        await b.start(None, None, None)
+
+        async def group(g):
+            await asyncio.sleep(g * gap)
+            await b.generate_group(task_lib.make_task("calculator", g), g, list(range(len(shapes[g]))),
+                                   len(shapes[g]))
+        await asyncio.gather(*(group(g) for g in range(len(shapes))))
+        return b.loop.time()
+    asyncio.set_event_loop(b.loop)
+    try:
+        return b.loop.run_until_complete(main()), b
+    finally:
+        asyncio.set_event_loop(None)
+        b.loop.close()
+
+
+def test_engine_steps_needs_measured_costs():
+    with pytest.raises(ValueError):
+        SimConfig(engine_steps=True)
+
+
+def test_an_event_that_prefills_decodes_one_step_the_others_a_whole_chunk():
+    # 20 tokens: the engine's calls are prefill + 1 step, then 8-step calls (24 steps, the last rows ride
+    # along); the chunk rule decodes 8 + 8 + 4 steps, the prefill in the first event
+    t_engine, _ = _rollout([[(40, (20,), ())]], engine_steps=True)
+    t_chunk, _ = _rollout([[(40, (20,), ())]])
+    assert t_engine == pytest.approx(0.1 + 0.01 + 3 * 8 * 0.01)
+    assert t_chunk == pytest.approx(0.1 + 20 * 0.01)
+
+
+def test_a_turn_reaches_the_rollout_loop_when_the_engine_call_returns():
+    # turn 0 (3 tokens) ends inside the second call (8 steps): its next turn starts when that call ends
+    t, _ = _rollout([[(40, (3, 2), (5,))]], engine_steps=True)
+    assert t == pytest.approx((0.1 + 0.01 + 8 * 0.01) * 2)
+
+
+def test_a_group_prompt_is_shared_only_once_computed():
+    shape = (100, (1,), ())
+    # four samples admitted in one engine call all compute the prompt; the chunk rule shares it
+    _, b = _rollout([[shape] * 4], engine_steps=True)
+    assert b.kv_hit_rate() == 0.0
+    _, b = _rollout([[shape] * 4])
+    assert b.kv_hit_rate() == pytest.approx(3 * 96 / 400)
+    # a second group placed later hits the shared system prompt's full pages (40 tokens: 32), not before
+    _, b = _rollout([[shape], [shape]], engine_steps=True, shared_prefix_tokens=40, gap=1.0)
+    assert b.kv_hit_rate() == pytest.approx(32 / 200)
+    _, b = _rollout([[shape], [shape]], engine_steps=True, shared_prefix_tokens=40)
+    assert b.kv_hit_rate() == 0.0
+
+
+def _validation():
+    spec = importlib.util.spec_from_file_location("sim_validation", ROOT / "benchmarks" / "sim_validation.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("sim_validation", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_shared_prefix_is_what_every_task_prompt_starts_with():
+    sv = _validation()
+    shapes = sv.demo_shapes(4)
+    n = sv.shared_prefix(shapes)
+    prompts = [r[3] for rows in shapes.values() for r in rows]
+    assert n > 0 and all(p[:n] == prompts[0][:n] for p in prompts)
+    assert len({p[n] for p in prompts if len(p) > n}) > 1
