@@ -416,7 +416,7 @@ class _Lab:
             def __exit__(self, *exc):
                 calls.append((self.t0, time.perf_counter(), eng._counters["prefill_calls"] > self.c0))
         runner.step_span = _Span
-        c0 = dict(eng._counters)
+        c0, compile0, programs0 = dict(eng._counters), eng.compile_s, eng.runner.compile_count()
 
         async def main():
             await runner.start(task_lib.TaskEnvFactory(LatencyModel()))
@@ -443,7 +443,8 @@ class _Lab:
             shapes.append(rows)
         c = {k: eng._counters[k] - c0[k] for k in c0}
         c["prefix_hit_rate"] = c["prompt_tokens_cached"] / max(1, c["prompt_tokens"])
-        return dict(wall_s=wall, calls=calls, counters=c, shapes=shapes)
+        return dict(wall_s=wall, calls=calls, counters=c, shapes=shapes, compile_s=eng.compile_s - compile0,
+                    programs=eng.runner.compile_count() - programs0)
 
 
 def _wall(fn) -> float:
@@ -529,6 +530,7 @@ def simulate(mode: str, measured: costs.MeasuredCosts, shapes: dict, seed: int) 
     sim = sim_backend.SimConfig(workload=w, tp=0, page_size=ENGINE["page_size"], kv_pages=ENGINE["num_pages"],
                                 max_batch=ENGINE["max_running"], decode_chunk=ENGINE["decode_steps"],
                                 measured=measured, engine_steps=True, shared_prefix_tokens=shared_prefix(shapes),
+                                prefill_chunk=ENGINE["prefill_chunk"],
                                 seed=seed)
     logdir = tempfile.mkdtemp(prefix=f"simval_{mode}_")
     summary, _, _ = sim_backend.run(sim, ccfg, num_devices=8, logdir=logdir,
@@ -556,7 +558,8 @@ def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], k
     sim = sim_backend.SimConfig(workload=w, tp=0, page_size=ENGINE["page_size"], kv_pages=ENGINE["num_pages"],
                                 max_batch=ENGINE["max_running"], decode_chunk=ENGINE["decode_steps"],
                                 measured=dataclasses.replace(measured, rollout_overlap_x=1.0, train_overlap_x=1.0),
-                                engine_steps=True, shared_prefix_tokens=shared_prefix(demo_shapes(4)))
+                                engine_steps=True, shared_prefix_tokens=shared_prefix(demo_shapes(4)),
+                                prefill_chunk=ENGINE["prefill_chunk"])
     pool = split_devices(range(8), mode=mode, group_size=2, rollout=2, ref=1 if mode == "tiderl" else 0,
                          train=1 if mode == "tiderl" else 2, tensor=2)
     b = sim_backend.SimBackend(sim, mode=mode, pool=pool, num_devices=8)

@@ -96,3 +96,15 @@ def test_shared_prefix_is_what_every_task_prompt_starts_with():
     prompts = [r[3] for rows in shapes.values() for r in rows]
     assert n > 0 and all(p[:n] == prompts[0][:n] for p in prompts)
     assert len({p[n] for p in prompts if len(p) > n}) > 1
+
+
+def test_an_event_makes_one_prefill_call_per_chunk_length_bucket():
+    # a 40-token prompt (bucket 64) and a 200-token one (bucket 256) admitted together: two prefill calls
+    two = [[(40, (1,), ())], [(200, (1,), ())]]
+    t_calls, _ = _rollout(two, engine_steps=True, prefill_chunk=512)
+    t_one, _ = _rollout(two, engine_steps=True)
+    assert t_calls == pytest.approx(2 * 0.1 + 0.01)
+    assert t_one == pytest.approx(0.1 + 0.01)
+    # the same bucket: one call
+    t_same, _ = _rollout([[(40, (1,), ())], [(50, (1,), ())]], engine_steps=True, prefill_chunk=512)
+    assert t_same == pytest.approx(0.1 + 0.01)

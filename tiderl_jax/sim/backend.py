@@ -170,6 +170,10 @@ class SimConfig:
     # samples admitted together all compute it), and a prompt's first `shared_prefix_tokens` (a system
     # prompt every task shares: its full pages) hit once any prompt was prefilled under this version
     shared_prefix_tokens: int = 0
+    # with `engine_steps`: the engine's longest prefill chunk (EngineConfig.prefill_chunk; 0: one prefill call per
+    # event): an event makes one prefill call per chunk-length bucket among the sequences it admits (powers of
+    # two from 16 up to this, as `Engine._run_prefill`), each paying `MeasuredCosts.prefill_fixed_s`
+    prefill_chunk: int = 0
 
     def __post_init__(self):
         workloads.workload(self.workload)
@@ -181,8 +185,8 @@ class SimConfig:
         for name in ("page_size", "max_batch", "decode_chunk", "finished_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1")
-        for name in ("kv_pages", "initial_growth", "shared_prefix_tokens", "sync_fixed_s", "switch_fixed_s",
-                     "optimizer_bytes_per_param"):
+        for name in ("kv_pages", "initial_growth", "shared_prefix_tokens", "prefill_chunk", "sync_fixed_s",
+                     "switch_fixed_s", "optimizer_bytes_per_param"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 0")
         if self.engine_steps and self.measured is None:
@@ -374,6 +378,10 @@ class SimBackend:
         self._span_busy = 0.0  # device-seconds of replica events in the open rollout span
         self._spec = config.war_speculation and config.measured is None
         self._engine_steps = config.engine_steps
+        self._call_overhead = config.measured.call_overhead_s if config.measured is not None else 0.0
+        # `Engine._chunk_buckets` (SimConfig.prefill_chunk with engine_steps), () otherwise
+        chunk = config.prefill_chunk if config.engine_steps else 0
+        self._chunk_buckets = _pow2_buckets(min(16, chunk), chunk) if chunk else ()
         self._mean_latency = self.workload.env_latency_s.mean()
         self._ref_lock: asyncio.Lock | None = None  # created on the loop in start()
         self.metrics = None
@@ -956,6 +964,8 @@ class SimBackend:
         queue, running, max_batch = r.queue, r.running, self.cfg.max_batch
         prompt_tokens = cached_tokens = prefill_tokens = 0
         pairs = 0.0
+        chunk_buckets = self._chunk_buckets
+        calls = set()  # chunk-length buckets: one prefill call each (SimConfig.prefill_chunk)
         ends, push = r.ends, heapq.heappush
         while queue and len(running) < max_batch:
             s = queue[0]
@@ -1004,6 +1014,8 @@ class SimBackend:
                     p[1] += 1
             ctx = s.ctx
             new = ctx - cached
+            if chunk_buckets:
+                calls.add(next(b for b in chunk_buckets if min(new, chunk_buckets[-1]) <= b))
             s.new_tokens = 0  # prefilled by this event
             prompt_tokens += ctx
             cached_tokens += cached
@@ -1028,7 +1040,7 @@ class SimBackend:
         c["prompt_tokens"] += prompt_tokens
         c["prompt_tokens_cached"] += cached_tokens
         c["prefill_tokens"] += prefill_tokens
-        return self._prefill_time(prefill_tokens, cached_tokens, pairs)
+        return self._prefill_time(prefill_tokens, cached_tokens, pairs, len(calls) or 1)
 
     # ---------------------------------------------------------------- serving
 
@@ -1038,11 +1050,11 @@ class SimBackend:
         bytes_moved = self._param_bytes + self._kv_bytes * (context_tokens + batch)
         return max(flops / self._flops_rate, bytes_moved / self._bytes_rate)
 
-    def _prefill_time(self, n: int, c: int, pairs: float) -> float:
+    def _prefill_time(self, n: int, c: int, pairs: float, calls: int = 1) -> float:
         """One batched prefill of `n` new tokens over `c` cached ones, `pairs` causal attention pairs in all
-        (sum over sequences of new * cached + new * (new + 1) / 2)."""
+        (sum over sequences of new * cached + new * (new + 1) / 2); measured costs: in `calls` calls."""
         if self.measured is not None:
-            return self.measured.prefill_fixed_s + self.measured.prefill_per_token_s * n if n else 0.0
+            return self.measured.prefill_fixed_s * calls + self.measured.prefill_per_token_s * n if n else 0.0
         if n == 0:
             return 0.0
         flops = 2.0 * self._matmul_params * n + self._attn_per_pair * pairs
@@ -1093,6 +1105,8 @@ class SimBackend:
         r.one_step = admitted or bool(r.queue)  # (read by `_walk` with SimConfig.engine_steps)
         B = len(r.running)
         self._load_prefill += prefill
+        if B and self._call_overhead:  # measured costs: the rollout loop's host time per engine call
+            prefill += self._call_overhead * (self.measured.rollout_overlap_x if self._host_jobs else 1.0)
         if not B:  # idle until something arrives
             r.retry = False
             if busy:
@@ -1384,6 +1398,15 @@ class SimBackend:
             elif self._span_ctx is not None:
                 ctx, self._span_ctx = self._span_ctx, None
                 ctx.__exit__(None, None, None)
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """`engine.runner.pow2_buckets` (that module needs JAX; the simulator does not)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
 
 
 def sample_tasks(w: workloads.Workload, rng: np.random.Generator, n: int) -> list[workloads.TaskSample]:

@@ -306,6 +306,8 @@ class MeasuredCosts:
         ref pass      = ref_fixed_s + ref_per_token_s * tokens           (ref devices, RA2P decoupled)
         update        = update_fixed_s + update_per_token_s * tokens
         weight sync   = sync_s;  device move = switch_s
+        engine call   + call_overhead_s                                  (per replica event: the rollout
+                        loop's host time per engine call beyond the call measured alone)
 
     Shared cores: rollout and training that overlap slow each other down. A replica event that starts
     while a train or ref job runs takes `rollout_overlap_x` times longer; a train or ref job that
@@ -326,6 +328,7 @@ class MeasuredCosts:
     switch_s: float = 0.0
     rollout_overlap_x: float = 1.0
     train_overlap_x: float = 1.0
+    call_overhead_s: float = 0.0
     source: str = ""  # what was measured, where
 
     def __post_init__(self):
