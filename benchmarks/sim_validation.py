@@ -153,6 +153,25 @@ def shared_prefix(shapes: dict) -> int:
     return n
 
 
+def replay_sampler(groups: list[list[tuple]], latency: tuple[float, float, float] | None):
+    """`SimBackend.shape_sampler` replaying measured samples: group g is `groups[g]` (the real policy's
+    samples of the controller's g-th task, `_Lab.rollout`), each sample its own (prompt, model tokens per
+    turn, observation tokens between turns); latencies drawn per call as in `shape_sampler`."""
+    def sample(group: int, rng: np.random.Generator, n: int) -> list[workloads.TaskSample]:
+        rows = groups[group % len(groups)]
+        out = []
+        for i in range(n):
+            prompt, gen, obs = rows[i % len(rows)]
+            if latency is None:
+                lat = (0.0,) * len(obs)
+            else:
+                median, sigma, cap = latency
+                lat = tuple(float(x) for x in np.minimum(cap, median * np.exp(sigma * rng.standard_normal(len(obs)))))
+            out.append(workloads.TaskSample(prompt, tuple(gen), tuple(obs), lat, False))
+        return out
+    return sample
+
+
 def shape_sampler(shapes: dict, latency: tuple[float, float, float] | None):
     """`SimBackend.shape_sampler`: group g is task g // len(KINDS) of kind KINDS[g % len(KINDS)] (the
     controller's `_next_task`), every sample of it the demonstration's shape, latencies drawn per call."""
@@ -386,7 +405,8 @@ class _Lab:
         rollout config) on the 4-device rollout mesh with the policy `params`, no environment latency,
         `groups` GRPO groups of the controller's tasks with `in_flight` groups running at a time (the next
         starts when one ends, as the controller's capacity admits them). Returns the wall seconds, the
-        engine calls the loop made (`calls`: (start, end, prefilled) each, timed inside the loop), the
+        engine calls the loop made (`calls`: (start, end, prefilled, compile seconds, new programs) each, timed
+        inside the loop), the
         engine's counters, and every sample's shape (prompt, model tokens per turn, observation tokens
         between turns): what the real policy writes on these tasks."""
         import asyncio
@@ -412,9 +432,11 @@ class _Lab:
         class _Span:
             def __enter__(self):
                 self.c0, self.t0 = eng._counters["prefill_calls"], time.perf_counter()
+                self.k0, self.p0 = eng.compile_s, eng.runner.compile_count()
 
             def __exit__(self, *exc):
-                calls.append((self.t0, time.perf_counter(), eng._counters["prefill_calls"] > self.c0))
+                calls.append((self.t0, time.perf_counter(), eng._counters["prefill_calls"] > self.c0,
+                              eng.compile_s - self.k0, eng.runner.compile_count() - self.p0))
         runner.step_span = _Span
         c0, compile0, programs0 = dict(eng._counters), eng.compile_s, eng.runner.compile_count()
 
@@ -471,9 +493,28 @@ def _round(lab: "_Lab") -> dict:
 
 
 OFFSETS = {8: 0, 4: 4, 2: 6}  # first device of a train mesh of n devices (goodput's layouts put train last)
+# _Lab.rollout: about the groups a goodput.py mode runs (8 updates of 4, and stale ones replaced), two batches in flight
+ROLLOUT_GROUPS, ROLLOUT_IN_FLIGHT = 40, 2 * GROUPS
+KV_MODE = {"sync": "request", "async": "request", "tiderl": "ctb", "limit": "ctb"}  # the rollout's KV handling
 
 
-def calibrate(shapes, reps: int, log=print) -> tuple[dict[str, costs.MeasuredCosts], dict]:
+def warm_params(path: str, log=print):
+    """goodput.py's cached SFT warm start (what each of its modes starts from), or None when it is not in
+    `path` (run `benchmarks/goodput.py --modes` once to make it)."""
+    key = f"{MODEL.hidden_size}x{MODEL.num_layers}_{'-'.join(KINDS)}_500x32"
+    if not os.path.isdir(os.path.join(path, key)):
+        log(f"no warm start {key} in {path}: the rollout loop is not measured (demonstration shapes, no per-call "
+            f"or program costs)")
+        return None
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import goodput  # (its JAX stack is loaded by now)
+
+    assert goodput.MODEL == MODEL, "benchmarks/goodput.py's model changed: update MODEL here"
+    return goodput.warm_start(Tokenizer.builtin(), argparse.Namespace(
+        tasks=list(KINDS), sft_steps=500, sft_batch=32, warm_cache=path))
+
+
+def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[str, costs.MeasuredCosts], dict]:
     """`MeasuredCosts` per mode (from its layout), and the raw measurements. Every quantity is
     measured once per round, `reps` rounds interleaved, and its fastest value kept: the load of other
     processes drifts over minutes, and interleaving keeps the layouts' numbers comparable."""
@@ -484,6 +525,28 @@ def calibrate(shapes, reps: int, log=print) -> tuple[dict[str, costs.MeasuredCos
     overlap = {n: lab.overlap(n, max(2, reps)) for n in sorted({LAYOUTS[m][2] for m in MODES if m != "sync"})}
     for n, (x_roll, x_train) in overlap.items():
         raw.update({f"overlap_{n}_rollout_x": x_roll, f"overlap_{n}_train_x": x_train})
+    warm = warm_params(warm_cache, log) if warm_cache else None
+    if warm is not None:
+        # the rollout loop alone, as goodput.py's first mode on these devices finds it: no program in memory
+        # (each is traced, lowered and loaded from the persistent cache, or compiled), then warm passes
+        lab.jax.clear_caches()
+        for kv in ("request", "ctb"):
+            first = lab.rollout(warm, kv, ROLLOUT_GROUPS, ROLLOUT_IN_FLIGHT)
+            best = min((lab.rollout(warm, kv, ROLLOUT_GROUPS, ROLLOUT_IN_FLIGHT) for _ in range(max(1, reps // 2))),
+                       key=lambda r: r["wall_s"])
+            calls = best["calls"]
+            raw.update({f"rollout_{kv}_first_wall_s": first["wall_s"],
+                        f"rollout_{kv}_first_compile_s": first["compile_s"],
+                        f"rollout_{kv}_first_programs": first["programs"], f"rollout_{kv}_wall_s": best["wall_s"],
+                        f"rollout_{kv}_calls": len(calls), f"rollout_{kv}_prefill_calls": sum(c[2] for c in calls),
+                        f"rollout_{kv}_busy_s": sum(c[1] - c[0] for c in calls),
+                        f"rollout_{kv}_hit_rate": best["counters"]["prefix_hit_rate"],
+                        f"rollout_{kv}_shapes": best["shapes"]})
+            log(f"rollout loop alone ({kv}, {ROLLOUT_GROUPS} groups, {ROLLOUT_IN_FLIGHT} at a time, no latency): "
+                f"{best['wall_s']:.2f}s, {len(calls)} engine calls ({raw[f'rollout_{kv}_prefill_calls']} prefill) "
+                f"busy {raw[f'rollout_{kv}_busy_s']:.2f}s, KV hit {raw[f'rollout_{kv}_hit_rate']:.3f}; first pass "
+                f"{first['wall_s']:.2f}s with {first['compile_s']:.2f}s for {first['programs']} programs")
+        raw["program_s"] = raw["rollout_request_first_compile_s"] / max(1, raw["rollout_request_first_programs"])
     raw["calibration_s"] = time.perf_counter() - t_all
     fits = {}
     for n in sorted({LAYOUTS[m][0] for m in MODES}):
@@ -513,15 +576,19 @@ def calibrate(shapes, reps: int, log=print) -> tuple[dict[str, costs.MeasuredCos
             ref_fixed_s=0.0, ref_per_token_s=raw["ref_2"] / raw["ref_2_tokens"],
             sync_s=raw[f"sync_{roll}_{train}"], switch_s=10.0,
             rollout_overlap_x=1.0 if m == "sync" else overlap[train][0],
-            train_overlap_x=1.0 if m == "sync" else overlap[train][1],
+            train_overlap_x=1.0 if m == "sync" else overlap[train][1], program_s=raw.get("program_s", 0.0),
             source=f"benchmarks/sim_validation.py on this CPU: rollout {roll}, ref {ref}, train {train} fake devices")
     return out, raw
 
 
 # ------------------------------------------------------------------ simulation
 
-def simulate(mode: str, measured: costs.MeasuredCosts, shapes: dict, seed: int) -> dict:
-    """goodput.py's `run_mode` on `SimBackend`: rates over updates SKIP+1..STEPS (goodput.py's `_rates`)."""
+def simulate(mode: str, measured: costs.MeasuredCosts, shapes: dict, seed: int, programs: set | None = None,
+             replay: list | None = None) -> dict:
+    """goodput.py's `run_mode` on `SimBackend`: rates over updates SKIP+1..STEPS (goodput.py's `_rates`).
+    `programs`: the engine programs the simulated process has run (goodput.py runs its modes in turn in
+    one process, so a mode finds in memory what an earlier one compiled on the same devices); `replay`: the
+    real policy's samples per group (`replay_sampler`), else the demonstrations' shapes."""
     w = goodput_workload(shapes)
     ccfg = ControllerConfig(mode="tiderl" if mode == "limit" else mode, steps=STEPS, groups_per_step=GROUPS,
                             group_size=GROUP_SIZE, max_concurrent=MAX_CONCURRENT, task_kinds=KINDS,
@@ -530,11 +597,13 @@ def simulate(mode: str, measured: costs.MeasuredCosts, shapes: dict, seed: int) 
     sim = sim_backend.SimConfig(workload=w, tp=0, page_size=ENGINE["page_size"], kv_pages=ENGINE["num_pages"],
                                 max_batch=ENGINE["max_running"], decode_chunk=ENGINE["decode_steps"],
                                 measured=measured, engine_steps=True, shared_prefix_tokens=shared_prefix(shapes),
-                                prefill_chunk=ENGINE["prefill_chunk"],
+                                prefill_chunk=ENGINE["prefill_chunk"], max_seq_len=ENGINE["max_seq_len"],
                                 seed=seed)
     logdir = tempfile.mkdtemp(prefix=f"simval_{mode}_")
     summary, _, _ = sim_backend.run(sim, ccfg, num_devices=8, logdir=logdir,
-                                    shape_sampler=shape_sampler(shapes, None if mode == "limit" else LATENCY))
+                                    shape_sampler=(shape_sampler if replay is None else replay_sampler)(
+                                        shapes if replay is None else replay, None if mode == "limit" else LATENCY),
+                                    programs=programs)
     rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
     a, b = rows[SKIP - 1], rows[-1]
     span = b["wall_s"] - a["wall_s"]
@@ -559,7 +628,7 @@ def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], k
                                 max_batch=ENGINE["max_running"], decode_chunk=ENGINE["decode_steps"],
                                 measured=dataclasses.replace(measured, rollout_overlap_x=1.0, train_overlap_x=1.0),
                                 engine_steps=True, shared_prefix_tokens=shared_prefix(demo_shapes(4)),
-                                prefill_chunk=ENGINE["prefill_chunk"])
+                                prefill_chunk=ENGINE["prefill_chunk"], max_seq_len=ENGINE["max_seq_len"])
     pool = split_devices(range(8), mode=mode, group_size=2, rollout=2, ref=1 if mode == "tiderl" else 0,
                          train=1 if mode == "tiderl" else 2, tensor=2)
     b = sim_backend.SimBackend(sim, mode=mode, pool=pool, num_devices=8)
@@ -618,6 +687,10 @@ def main():
     p.add_argument("--seeds", type=int, default=8, help="simulation seeds averaged per mode")
     p.add_argument("--reps", type=int, default=4, help="interleaved measurement rounds (the fastest is kept)")
     p.add_argument("--calibration", help="reuse the calibration of an earlier --json output (no measuring)")
+    p.add_argument("--warm-cache", default=str(ROOT / ".cache" / "goodput_warm"),
+                   help="goodput.py's cached warm start (the policy whose rollout loop is measured)")
+    p.add_argument("--demonstrations", action="store_true",
+                   help="simulate the demonstrations' shapes even when the calibration holds measured samples")
     args = p.parse_args()
     if args.quick:
         args.seeds, args.reps = 2, 1
@@ -636,18 +709,32 @@ def main():
         raw = dict(saved["raw"], reused=args.calibration)
         print(f"calibration reused from {args.calibration}", flush=True)
     else:
-        cal, raw = calibrate(shapes, args.reps)
+        cal, raw = calibrate(shapes, args.reps, warm_cache=args.warm_cache)
         print(f"calibration took {raw['calibration_s']:.0f}s", flush=True)
-    sim = {}
-    for mode in MODES:
-        if mode not in measured:
-            continue
-        t0 = time.perf_counter()
-        runs = [simulate(mode, cal[mode], shapes, seed) for seed in range(args.seeds)]
+    replay = {kv: None if args.demonstrations else raw.get(f"rollout_{kv}_shapes") for kv in ("request", "ctb")}
+    for kv in ("request", "ctb"):
+        if replay[kv] is not None:  # the rollout loop alone: measured vs simulated (same samples, no programs to load)
+            mode = "async" if kv == "request" else "tiderl"
+            r = simulate_rollout(dataclasses.replace(cal[mode], program_s=0.0), replay[kv], kv, ROLLOUT_IN_FLIGHT)
+            every = [x for g in replay[kv] for x in g]
+            print(f"rollout loop alone ({kv}; real samples: {statistics.mean(sum(x[1]) for x in every):.1f} model "
+                  f"tokens, {statistics.mean(len(x[1]) for x in every):.2f} turns): measured "
+                  f"{raw[f'rollout_{kv}_wall_s']:.2f}s, "
+                  f"{raw[f'rollout_{kv}_calls']} engine calls, KV hit {raw[f'rollout_{kv}_hit_rate']:.3f}; simulated "
+                  f"{r['wall_s']:.2f}s, {r['calls']} calls, KV hit {r['kv_hit_rate']:.3f}", flush=True)
+    sim, by_mode = {}, {m: [] for m in MODES if m in measured}
+    for seed in range(args.seeds):  # one simulated goodput.py process per seed: its modes in turn
+        programs = set()
+        for mode in by_mode:
+            t0 = time.perf_counter()
+            by_mode[mode].append((simulate(mode, cal[mode], shapes, seed, programs, replay[KV_MODE[mode]]),
+                                  time.perf_counter() - t0))
+    for mode, done in by_mode.items():
+        runs = [r for r, _ in done]
         sim[mode] = dict(goodput=statistics.mean(r["goodput_tokens_per_s"] for r in runs),
                          step_time_s=statistics.mean(r["step_time_s"] for r in runs),
                          kv_hit_rate=statistics.mean(r["kv_hit_rate"] for r in runs),
-                         sd=statistics.pstdev(r["goodput_tokens_per_s"] for r in runs), wall_s=time.perf_counter() - t0)
+                         sd=statistics.pstdev(r["goodput_tokens_per_s"] for r in runs), wall_s=sum(t for _, t in done))
     m_sync, s_sync = statistics.mean(measured["sync"]), sim["sync"]["goodput"]
     rows = []
     for mode in sim:

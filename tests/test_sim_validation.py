@@ -23,10 +23,11 @@ M = costs.MeasuredCosts(decode_step_s=0.01, decode_per_seq_s=0.0, prefill_fixed_
 def _rollout(shapes, **kw):
     """Groups of sample shapes ((prompt, gen per turn, obs per gap) each, no latency) on one measured
     replica, each group placed `gap` seconds after the previous; (virtual seconds, backend)."""
-    gap = kw.pop("gap", 0.0)
-    sim = SimConfig(tp=0, kv_pages=4096, max_batch=64, decode_chunk=8, measured=M, **kw)
+    gap, programs = kw.pop("gap", 0.0), kw.pop("programs", None)
+    sim = SimConfig(tp=0, kv_pages=4096, max_batch=64, decode_chunk=8, **{"measured": M, **kw})
     pool = split_devices(range(8), mode="async", group_size=2, rollout=2, ref=0, train=2, tensor=2)
     b = sim_backend.SimBackend(sim, mode="async", pool=pool, num_devices=8)
+    b.programs = programs
     b.shape_sampler = lambda g, rng, n: [workloads.TaskSample(p, gen, obs, (0.0,) * len(obs), False)
                                          for p, gen, obs in shapes[g][:n]]
 
@@ -108,3 +109,23 @@ def test_an_event_makes_one_prefill_call_per_chunk_length_bucket():
     # the same bucket: one call
     t_same, _ = _rollout([[(40, (1,), ())], [(50, (1,), ())]], engine_steps=True, prefill_chunk=512)
     assert t_same == pytest.approx(0.1 + 0.01)
+
+
+def test_an_engine_pays_for_each_program_once_and_a_process_once_per_devices():
+    # one sample of 20 tokens: a prefill program and a decode program (its 1-step and 8-step calls share
+    # the shape bucket) are new: two loads
+    m = costs.MeasuredCosts(**{**M.__dict__, "program_s": 1.0})
+    kw = dict(measured=m, engine_steps=True, prefill_chunk=512, max_seq_len=2048)
+    t, b = _rollout([[(40, (20,), ())]], **kw)
+    assert t == pytest.approx(0.1 + 0.01 + 3 * 8 * 0.01 + 2 * 1.0)
+    assert len(next(iter(b.replicas.values())).programs) == 2
+    # a second engine of the same process on the same devices finds them in memory; a longer context
+    # needs a new decode program (pages bucket)
+    shared = set()
+    t1, _ = _rollout([[(40, (20,), ())]], programs=shared, **kw)
+    t2, _ = _rollout([[(40, (20,), ())]], programs=shared, **kw)
+    t3, _ = _rollout([[(200, (20,), ())]], programs=shared, **kw)
+    assert t1 == pytest.approx(t) and t2 == pytest.approx(t - 2.0)
+    assert t3 == pytest.approx(0.1 + 0.01 + 3 * 8 * 0.01 + 2 * 1.0)  # prefill: 256 tokens, decode: 15 pages
+    with pytest.raises(ValueError):  # the prefill programs' buckets come from the chunk
+        _rollout([[(40, (20,), ())]], measured=m, engine_steps=True, max_seq_len=2048)

@@ -174,6 +174,11 @@ class SimConfig:
     # event): an event makes one prefill call per chunk-length bucket among the sequences it admits (powers of
     # two from 16 up to this, as `Engine._run_prefill`), each paying `MeasuredCosts.prefill_fixed_s`
     prefill_chunk: int = 0
+    # with `engine_steps` and `MeasuredCosts.program_s`: the engine's longest sequence (EngineConfig.max_seq_len),
+    # for its shape buckets. Every engine jits its programs itself, one per shape bucket (decode: rows x pages
+    # per row; prefill: rows x chunk length x pages), so a replica's first event that needs a bucket it has not
+    # run pays `program_s` (a fresh backend is a fresh engine, as each mode of goodput.py builds its own)
+    max_seq_len: int = 0
 
     def __post_init__(self):
         workloads.workload(self.workload)
@@ -185,8 +190,8 @@ class SimConfig:
         for name in ("page_size", "max_batch", "decode_chunk", "finished_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1")
-        for name in ("kv_pages", "initial_growth", "shared_prefix_tokens", "prefill_chunk", "sync_fixed_s",
-                     "switch_fixed_s", "optimizer_bytes_per_param"):
+        for name in ("kv_pages", "initial_growth", "shared_prefix_tokens", "prefill_chunk", "max_seq_len",
+                     "sync_fixed_s", "switch_fixed_s", "optimizer_bytes_per_param"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 0")
         if self.engine_steps and self.measured is None:
@@ -294,6 +299,7 @@ class _Replica:
         self.prompts: dict[int, list] = {}  # gid -> [version written, samples here holding it, event]
         self.events = 0  # events that admitted (SimConfig.engine_steps: what a block computed by then is)
         self.prefix_at = (-1, 0)  # (version, event) of the first prompt prefilled under that version
+        self.programs: set = set()  # shape buckets this replica's engine has run (SimConfig.max_seq_len)
         self.alive = True
         self.borrowed = False  # BiDiRL: serving on borrowed train devices
         self.busy = False  # a span of events in flight
@@ -342,6 +348,10 @@ class SimBackend:
         # task shapes of a group: (group, rng, n) -> n TaskSamples; None: `sample_tasks` of the workload
         # (benchmarks/sim_validation.py replays the tasks' demonstrations)
         self.shape_sampler = None
+        # SimConfig.max_seq_len: the shape buckets already run in this process, as (replica devices, bucket);
+        # None: each replica's own (`_Replica.programs`). JAX keeps compiled programs per process, so an
+        # engine built later on the same devices (the next mode of goodput.py) finds them in memory
+        self.programs: set | None = None
         self._replica_devices = config.tp  # tp=0: all rollout devices (set by _rebuild)
         self._kv_bytes = costs.kv_bytes_per_token(self.shape)
         # costs.decode_step_time's terms, computed once (it is called at every replica event)
@@ -382,6 +392,17 @@ class SimBackend:
         # `Engine._chunk_buckets` (SimConfig.prefill_chunk with engine_steps), () otherwise
         chunk = config.prefill_chunk if config.engine_steps else 0
         self._chunk_buckets = _pow2_buckets(min(16, chunk), chunk) if chunk else ()
+        # `Engine`'s shape buckets (SimConfig.max_seq_len with engine_steps and MeasuredCosts.program_s)
+        m = config.measured
+        self._program_s = m.program_s if (m is not None and config.engine_steps and config.max_seq_len) else 0.0
+        if self._program_s:
+            if not chunk:
+                raise ValueError("SimConfig.max_seq_len (engine programs) needs prefill_chunk")
+            max_pages = config.max_seq_len // config.page_size
+            self._decode_pages = _half_pow2_buckets(min(4, max_pages), max_pages)
+            self._prefill_pages = _pow2_buckets(min(4, max_pages), max_pages)
+            self._decode_rows = _pow2_buckets(min(8, config.max_batch), config.max_batch)
+            self._prefill_rows = _pow2_buckets(1, min(16, config.max_batch))  # EngineConfig.max_prefill_rows
         self._mean_latency = self.workload.env_latency_s.mean()
         self._ref_lock: asyncio.Lock | None = None  # created on the loop in start()
         self.metrics = None
@@ -965,7 +986,7 @@ class SimBackend:
         prompt_tokens = cached_tokens = prefill_tokens = 0
         pairs = 0.0
         chunk_buckets = self._chunk_buckets
-        calls = set()  # chunk-length buckets: one prefill call each (SimConfig.prefill_chunk)
+        calls: dict[int, list] = {}  # chunk-length bucket -> [rows, most pages]: one prefill call each
         ends, push = r.ends, heapq.heappush
         while queue and len(running) < max_batch:
             s = queue[0]
@@ -1015,7 +1036,9 @@ class SimBackend:
             ctx = s.ctx
             new = ctx - cached
             if chunk_buckets:
-                calls.add(next(b for b in chunk_buckets if min(new, chunk_buckets[-1]) <= b))
+                call = calls.setdefault(_bucket(min(new, chunk_buckets[-1]), chunk_buckets), [0, 0])
+                call[0] += 1
+                call[1] = max(call[1], -(-ctx // ps))
             s.new_tokens = 0  # prefilled by this event
             prompt_tokens += ctx
             cached_tokens += cached
@@ -1040,9 +1063,23 @@ class SimBackend:
         c["prompt_tokens"] += prompt_tokens
         c["prompt_tokens_cached"] += cached_tokens
         c["prefill_tokens"] += prefill_tokens
-        return self._prefill_time(prefill_tokens, cached_tokens, pairs, len(calls) or 1)
+        seconds = self._prefill_time(prefill_tokens, cached_tokens, pairs, len(calls) or 1)
+        if self._program_s:  # programs this engine has not run yet (SimConfig.max_seq_len)
+            for width, (rows, pages) in calls.items():
+                key = ("prefill", _bucket(rows, self._prefill_rows), width, _bucket(pages, self._prefill_pages))
+                seconds += self._program(r, key)
+        return seconds
 
     # ---------------------------------------------------------------- serving
+
+    def _program(self, r: _Replica, key: tuple) -> float:
+        """Seconds to get the device program of shape bucket `key` on `r` (SimConfig.max_seq_len):
+        `program_s` the first time (in this process: `programs`, or on this replica), else 0."""
+        seen, key = (r.programs, key) if self.programs is None else (self.programs, (r.devices, key))
+        if key in seen:
+            return 0.0
+        seen.add(key)
+        return self._program_s
 
     def _decode_step(self, batch: int, context_tokens: float) -> float:
         """`costs.decode_step_time(shape, hw, batch, context_tokens, devices=tp, eff)`, its constants cached."""
@@ -1107,6 +1144,12 @@ class SimBackend:
         self._load_prefill += prefill
         if B and self._call_overhead:  # measured costs: the rollout loop's host time per engine call
             prefill += self._call_overhead * (self.measured.rollout_overlap_x if self._host_jobs else 1.0)
+        if B and self._program_s:  # the decode program of this batch's shape bucket, if this engine lacks it
+            K = 1 if r.one_step else self._chunk
+            steps = r.steps
+            pages = max(-(-(s.ctx0 + steps - s.start + K - 1) // self.ps) for s in r.running)
+            key = ("decode", _bucket(B, self._decode_rows), _bucket(pages, self._decode_pages))
+            prefill += self._program(r, key) * (self.measured.rollout_overlap_x if self._host_jobs else 1.0)
         if not B:  # idle until something arrives
             r.retry = False
             if busy:
@@ -1409,6 +1452,23 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+def _half_pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """`engine.runner.half_pow2_buckets`."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
+    return tuple(out) + (hi,)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """`engine.runner.bucket`: the smallest bucket that holds n (the largest if none does)."""
+    for b in buckets:
+        if n <= b:
+            return b
+    return buckets[-1]
+
+
 def sample_tasks(w: workloads.Workload, rng: np.random.Generator, n: int) -> list[workloads.TaskSample]:
     """`n` task shapes by `workloads.sample_task`'s rule (same distributions, clipping and `max_context`
     truncation), each distribution drawn once for all `n` tasks (a different random stream than `n`
@@ -1478,11 +1538,13 @@ def rare_collections(threshold: int = 1_000_000):
 
 
 def run(sim: SimConfig, controller_config, *, num_devices: int, logdir: str,
-        shape_sampler=None) -> tuple[dict, Any, SimBackend]:
+        shape_sampler=None, programs: set | None = None) -> tuple[dict, Any, SimBackend]:
     """Runs the controller on the simulator to its last step: (summary, controller, backend).
-    `shape_sampler`: `SimBackend.shape_sampler` (None: the workload's distributions)."""
+    `shape_sampler`: `SimBackend.shape_sampler` (None: the workload's distributions); `programs`:
+    `SimBackend.programs` (shared by the runs of one simulated process)."""
     controller, backend = make_controller(sim, controller_config, num_devices=num_devices, logdir=logdir)
     backend.shape_sampler = shape_sampler
+    backend.programs = programs
     loop = backend.loop
     try:
         asyncio.set_event_loop(loop)

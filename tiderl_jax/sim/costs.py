@@ -308,6 +308,7 @@ class MeasuredCosts:
         weight sync   = sync_s;  device move = switch_s
         engine call   + call_overhead_s                                  (per replica event: the rollout
                         loop's host time per engine call beyond the call measured alone)
+                      + program_s per shape bucket the engine runs for the first time
 
     Shared cores: rollout and training that overlap slow each other down. A replica event that starts
     while a train or ref job runs takes `rollout_overlap_x` times longer; a train or ref job that
@@ -329,6 +330,7 @@ class MeasuredCosts:
     rollout_overlap_x: float = 1.0
     train_overlap_x: float = 1.0
     call_overhead_s: float = 0.0
+    program_s: float = 0.0  # an engine's first call of a shape bucket (SimConfig.max_seq_len): load or compile
     source: str = ""  # what was measured, where
 
     def __post_init__(self):
