@@ -405,8 +405,8 @@ class _Lab:
         rollout config) on the 4-device rollout mesh with the policy `params`, no environment latency,
         `groups` GRPO groups of the controller's tasks with `in_flight` groups running at a time (the next
         starts when one ends, as the controller's capacity admits them). Returns the wall seconds, the
-        engine calls the loop made (`calls`: (start, end, prefilled, compile seconds, new programs) each, timed
-        inside the loop), the
+        engine calls the loop made (`calls`: (start, end, prefill calls, compile seconds, new programs, tokens
+        decoded) each, timed inside the loop), the
         engine's counters, and every sample's shape (prompt, model tokens per turn, observation tokens
         between turns): what the real policy writes on these tasks."""
         import asyncio
@@ -432,11 +432,12 @@ class _Lab:
         class _Span:
             def __enter__(self):
                 self.c0, self.t0 = eng._counters["prefill_calls"], time.perf_counter()
-                self.k0, self.p0 = eng.compile_s, eng.runner.compile_count()
+                self.k0, self.p0, self.d0 = eng.compile_s, eng.runner.compile_count(), eng._counters["decode_tokens"]
 
             def __exit__(self, *exc):
-                calls.append((self.t0, time.perf_counter(), eng._counters["prefill_calls"] > self.c0,
-                              eng.compile_s - self.k0, eng.runner.compile_count() - self.p0))
+                calls.append((self.t0, time.perf_counter(), eng._counters["prefill_calls"] - self.c0,
+                              eng.compile_s - self.k0, eng.runner.compile_count() - self.p0,
+                              eng._counters["decode_tokens"] - self.d0))
         runner.step_span = _Span
         c0, compile0, programs0 = dict(eng._counters), eng.compile_s, eng.runner.compile_count()
 
@@ -578,7 +579,33 @@ def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[
             rollout_overlap_x=1.0 if m == "sync" else overlap[train][0],
             train_overlap_x=1.0 if m == "sync" else overlap[train][1], program_s=raw.get("program_s", 0.0),
             source=f"benchmarks/sim_validation.py on this CPU: rollout {roll}, ref {ref}, train {train} fake devices")
+    if warm is not None:  # the rollout loop's host time per engine call, per KV mode (rollout on 4 devices)
+        for kv, mode in (("request", "async"), ("ctb", "tiderl")):
+            raw[f"call_overhead_{kv}_s"] = fit_call_overhead(out[mode], raw[f"rollout_{kv}_shapes"], kv,
+                                                             raw[f"rollout_{kv}_wall_s"])
+            log(f"rollout loop ({kv}): {raw[f'call_overhead_{kv}_s'] * 1e3:.1f} ms of host time per engine call "
+                f"beyond the engine's own")
+        out = {m: dataclasses.replace(c, call_overhead_s=raw[f"call_overhead_{KV_MODE[m]}_s"]) for m, c in out.items()}
     return out, raw
+
+
+def fit_call_overhead(measured: costs.MeasuredCosts, shapes: list[list[tuple]], kv_mode: str, wall_s: float) -> float:
+    """`MeasuredCosts.call_overhead_s` that makes the simulated rollout loop alone (`simulate_rollout`: the
+    same samples, no programs to load) take the `wall_s` the real one took (`_Lab.rollout`): what the
+    real loop spends per engine call beyond the engine's own calls measured alone (the driver's thread
+    hand-off, its commands, the tasks' Python, environment steps). 0 when the simulation is slower already."""
+    def wall(x):
+        return simulate_rollout(dataclasses.replace(measured, call_overhead_s=x, program_s=0.0), shapes, kv_mode,
+                                ROLLOUT_IN_FLIGHT)["wall_s"]
+    lo, hi = 0.0, 0.05
+    if wall(lo) >= wall_s:
+        return 0.0
+    while wall(hi) < wall_s and hi < 10.0:
+        lo, hi = hi, hi * 2
+    for _ in range(30):  # bisection (the simulated wall grows with the overhead)
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if wall(mid) < wall_s else (lo, mid)
+    return (lo + hi) / 2
 
 
 # ------------------------------------------------------------------ simulation

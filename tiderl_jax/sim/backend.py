@@ -94,7 +94,16 @@ times measured on a host replace the roofline (no scaling with device counts: fa
 a host's cores do not add speed), `tp=0` runs one replica on all rollout devices (one engine, as the
 real backend), and train / ref jobs share the cores with the rollout by processor sharing
 (`_host_work`: each side advances at 1 / its measured overlap factor while the other works; in-flight
-replica events are re-timed when the first job starts and the last one ends).
+replica events are re-timed when the first job starts and the last one ends). With them, the real engine's
+own rules replace the roofline replica's where they differ (`engine_steps`, each an `Engine` behaviour):
+an event is one engine call, which decodes 1 step when it prefills or leaves a turn waiting and a whole
+`decode_chunk` otherwise (ended rows ride along), and hands its ended turns to the rollout loop when it
+returns; it makes one prefill call per chunk-length bucket (`prefill_chunk`); a first turn's prompt hits
+the prefix cache only for blocks computed by an earlier call (a GRPO group's samples admitted together
+all compute it; `shared_prefix_tokens`: the system prompt every task shares); every call pays the rollout
+loop's measured host time (`MeasuredCosts.call_overhead_s`), and a call whose shape bucket the process
+has not run yet loads its program (`MeasuredCosts.program_s`, `max_seq_len`; `programs`: what the
+simulated process has run, shared by the backends of one process).
 
 Busy time (MECHANISMS.md §9 waiting): with `attach(metrics)`, each replica event adds
 `seconds * tp` busy device-seconds to the rollout lane (replicas idle while others work count as
