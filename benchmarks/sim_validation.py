@@ -635,8 +635,18 @@ def simulate(mode: str, measured: costs.MeasuredCosts, shapes: dict, seed: int, 
     a, b = rows[SKIP - 1], rows[-1]
     span = b["wall_s"] - a["wall_s"]
     return dict(goodput_tokens_per_s=(b["consumed_tokens"] - a["consumed_tokens"]) / span,
+                late_goodput_tokens_per_s=_window_rate(rows, LATE),
                 step_time_s=span / (len(rows) - SKIP), kv_hit_rate=summary["kv_hit_rate"],
                 moves=summary["moves"], discarded=summary["discarded"])
+
+
+LATE = 5  # updates skipped by the second comparison (goodput.py's own logs): past the programs' first loads
+
+
+def _window_rate(rows: list[dict], skip: int) -> float:
+    """Consumed tokens per second over updates skip+1..last of metrics.jsonl rows (goodput.py's `_rates`)."""
+    a, b = rows[skip - 1], rows[-1]
+    return (b["consumed_tokens"] - a["consumed_tokens"]) / (b["wall_s"] - a["wall_s"])
 
 
 def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], kv_mode: str, in_flight: int) -> dict:
@@ -695,15 +705,22 @@ def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], k
     return dict(wall_s=wall, calls=len(starts), one_step_calls=sum(starts.values()), kv_hit_rate=b.kv_hit_rate())
 
 
-def load_measured(paths: list[str]) -> tuple[dict[str, list[float]], list[str]]:
-    by, used = {}, []
+def load_measured(paths: list[str]) -> tuple[dict[str, list[float]], list[str], dict[str, list[float]]]:
+    """Per mode: goodput.py's goodput of each run, the files used, and each run's goodput over updates
+    LATE+1.. from the run's own metrics.jsonl (its `logdir`, where it still exists)."""
+    by, used, late = {}, [], {}
     for p in paths:
         if not os.path.exists(p):
             continue
         used.append(p)
         for row in json.load(open(p)):
             by.setdefault(row["mode"], []).append(float(row["goodput_tokens_per_s"]))
-    return by, used
+            log = os.path.join(row.get("logdir", ""), "metrics.jsonl")
+            if os.path.exists(log):
+                rows = [json.loads(line) for line in open(log)]
+                if len(rows) > LATE:
+                    late.setdefault(row["mode"], []).append(_window_rate(rows, LATE))
+    return by, used, late
 
 
 def main():
@@ -721,7 +738,7 @@ def main():
     args = p.parse_args()
     if args.quick:
         args.seeds, args.reps = 2, 1
-    measured, used = load_measured(args.measured)
+    measured, used, late = load_measured(args.measured)
     if "sync" not in measured:
         p.error(f"no measured sync row in {args.measured}: run benchmarks/goodput.py --json PATH first")
     print(f"measured: {', '.join(used)}", flush=True)
@@ -759,6 +776,7 @@ def main():
     for mode, done in by_mode.items():
         runs = [r for r, _ in done]
         sim[mode] = dict(goodput=statistics.mean(r["goodput_tokens_per_s"] for r in runs),
+                         late=statistics.mean(r["late_goodput_tokens_per_s"] for r in runs),
                          step_time_s=statistics.mean(r["step_time_s"] for r in runs),
                          kv_hit_rate=statistics.mean(r["kv_hit_rate"] for r in runs),
                          sd=statistics.pstdev(r["goodput_tokens_per_s"] for r in runs), wall_s=sum(t for _, t in done))
@@ -778,6 +796,14 @@ def main():
               f"{r['simulated_ratio']:>12.3f}{r['relative_error']:>+11.1%}{r['simulated_step_time_s']:>11.2f}")
     worst = max(abs(r["relative_error"]) for r in rows)
     print(f"\nworst ratio error {worst:.1%} (target within 15%)")
+    if "sync" in late and all(m in late for m in sim):  # the same comparison over the late updates only
+        ls, ss = statistics.mean(late["sync"]), sim["sync"]["late"]
+        print(f"\nover updates {LATE + 1}..{STEPS} (goodput.py's logs): " + ", ".join(
+            f"{m} measured {statistics.mean(late[m]) / ls:.3f} simulated {sim[m]['late'] / ss:.3f} "
+            f"({sim[m]['late'] / ss / (statistics.mean(late[m]) / ls) - 1:+.1%})" for m in sim))
+        for r in rows:
+            r.update(late_measured_ratio=statistics.mean(late[r["mode"]]) / ls,
+                     late_simulated_ratio=sim[r["mode"]]["late"] / ss)
     for r in rows:
         print(json.dumps({k: r[k] for k in ("mode", "measured_goodput", "simulated_goodput", "relative_error")}))
     if args.json:
