@@ -287,8 +287,18 @@ class _Lab:
 
     # -------------------------------------------------------------- rollout
 
-    def _fill(self, eng, batch: int, new_tokens: int = 900):
-        """`batch` sequences decoding (prefills done)."""
+    def _prompt(self, i: int, length: int = 0) -> list[int]:
+        """Prompt i of the tasks, or `length` tokens of the prompts from i on (a long context)."""
+        if not length:
+            return self.prompts[i % len(self.prompts)]
+        out = []
+        while len(out) < length:
+            out += self.prompts[i % len(self.prompts)]
+            i += 1
+        return out[:length]
+
+    def _fill(self, eng, batch: int, new_tokens: int = 900, context: int = 0):
+        """`batch` sequences decoding (prefills done), on the tasks' prompts or `context`-token ones."""
         from tiderl_jax.engine.engine import Request
         from tiderl_jax.engine.sampling import SamplingParams
 
@@ -296,22 +306,63 @@ class _Lab:
             eng.abort(h)
             eng.release(h)
         for i in range(batch):
-            eng.submit(Request(self.prompts[i % len(self.prompts)],
-                               SamplingParams(seed=i, max_new_tokens=new_tokens)))
+            eng.submit(Request(self._prompt(i, context), SamplingParams(seed=i, max_new_tokens=new_tokens)))
         for _ in range(50):
             eng.step()
             st = eng.stats()
             if st["num_waiting"] == 0 and st["num_prefilling"] == 0:
                 break
 
-    def decode_step(self, n: int, batch: int, reps: int) -> float:
+    def decode_step(self, n: int, batch: int, reps: int, context: int = 0) -> tuple[float, int]:
+        """(seconds of one decode step of `batch` sequences, 8 steps per call; their context tokens then)."""
         eng = self.engine(n)
-        self._fill(eng, batch)
-        return _timed(eng.step, reps) / ENGINE["decode_steps"]
+        self._fill(eng, batch, context=context)
+        tokens = sum(len(q.tokens) for q in eng._seqs.values()) + batch * ENGINE["decode_steps"] // 2
+        return _timed(eng.step, reps) / ENGINE["decode_steps"], tokens
 
-    def prefill(self, n: int, running: int, prompts: int, reps: int) -> tuple[float, int]:
+    def prefill_cached(self, n: int, running: int, rows: int, cached: int, new: int, reps: int) -> tuple[float, float]:
+        """(seconds of the prefill calls of an engine step that resumes `rows` sequences holding `cached`
+        tokens of KV with `new` tokens each, next to `running` decoding; the attention pairs computed:
+        rows * (new * cached + new * (new + 1) / 2))."""
+        from tiderl_jax.engine.engine import Request
+        from tiderl_jax.engine.sampling import SamplingParams
+
+        eng = self.engine(n)
+        ts = []
+        for rep in range(reps + 1):
+            self._fill(eng, running)
+            eng.step()
+            held = []
+            for j in range(rows):
+                text = self._prompt(7 * rep + j, cached + new)
+                if not cached:
+                    held.append((eng.submit(Request(text, SamplingParams(seed=100 + j, max_new_tokens=50))), None))
+                    continue
+                held.append((eng.submit(Request(text[:cached], SamplingParams(seed=100 + j, max_new_tokens=1),
+                                                keep_kv=True)), text[cached:]))
+            for _ in range(20 if cached else 0):
+                eng.step()
+                if all(eng.get(h).status.value == "paused" for h, _ in held):
+                    break
+            for h, text in held:
+                if text is not None:
+                    eng.resume(h, text, sampling=SamplingParams(seed=5, max_new_tokens=50))
+            eng._admit()
+            chunks = eng._plan_prefill()
+            t0 = time.perf_counter()
+            eng._run_prefill(chunks)
+            if rep:  # the first compiled
+                ts.append(time.perf_counter() - t0)
+            for h, _ in held:
+                eng.abort(h)
+                eng.release(h)
+        # (a resumed context holds its last sampled token too, prefilled with the new ones)
+        c, k = (cached, new + 1) if cached else (0, new)
+        return min(ts), rows * (k * c + k * (k + 1) / 2)
+
+    def prefill(self, n: int, running: int, prompts: int, reps: int) -> tuple[float, int, float]:
         """(seconds of an engine step admitting `prompts` new prompts next to `running` decoding
-        sequences, minus one decode step; their tokens)."""
+        sequences, minus one decode step; their tokens; their attention pairs)."""
         from tiderl_jax.engine.engine import Request
         from tiderl_jax.engine.sampling import SamplingParams
 
@@ -328,8 +379,9 @@ class _Lab:
             if rep:  # the first compiled
                 ts.append(time.perf_counter() - t0)
                 tokens = sum(len(p) for p in new)
-        one = self.decode_step(n, running + prompts, reps)
-        return max(0.0, min(ts) - one), tokens
+                pairs = sum(len(p) * (len(p) + 1) / 2 for p in new)
+        one, _ = self.decode_step(n, running + prompts, reps)
+        return max(0.0, min(ts) - one), tokens, pairs
 
     # -------------------------------------------------------------- training
 
@@ -400,9 +452,9 @@ class _Lab:
 
     # -------------------------------------------------------------- the rollout loop alone
 
-    def rollout(self, params, kv_mode: str, groups: int, in_flight: int) -> dict:
+    def rollout(self, params, kv_mode: str, groups: int, in_flight: int, devices: int = 4) -> dict:
         """The real rollout loop alone: `RolloutRunner` (goodput.py's engine with its prefix cache, its
-        rollout config) on the 4-device rollout mesh with the policy `params`, no environment latency,
+        rollout config) on a rollout mesh of `devices` with the policy `params`, no environment latency,
         `groups` GRPO groups of the controller's tasks with `in_flight` groups running at a time (the next
         starts when one ends, as the controller's capacity admits them). Returns the wall seconds, the
         engine calls the loop made (`calls`: (start, end, prefill calls, compile seconds, new programs, tokens
@@ -417,9 +469,9 @@ class _Lab:
         from tiderl_jax.model.sharding import place_copy
         from tiderl_jax.runtime.devices import model_on
 
-        key = ("rollout", kv_mode)
+        key = ("rollout", kv_mode, devices)
         if key not in self._engines:
-            self._engines[key] = Engine(model_on(self.graphdef, self.params, self.mesh(4), self.rules),
+            self._engines[key] = Engine(model_on(self.graphdef, self.params, self.mesh(devices), self.rules),
                                         EngineConfig(**ENGINE))
         eng = self._engines[key]
         # a new version: the prefix cache of an earlier pass does not hit
@@ -480,10 +532,15 @@ def _round(lab: "_Lab") -> dict:
     """One measurement of every quantity (one timed call each)."""
     out = {}
     for n in sorted({LAYOUTS[m][0] for m in MODES}):
-        out[f"decode_{n}_b4"] = lab.decode_step(n, 4, 1)
-        out[f"decode_{n}_b16"] = lab.decode_step(n, 16, 1)
-        out[f"prefill_{n}_1"], out[f"prefill_{n}_1_tokens"] = lab.prefill(n, 8, 1, 1)
-        out[f"prefill_{n}_4"], out[f"prefill_{n}_4_tokens"] = lab.prefill(n, 8, 4, 1)
+        out[f"decode_{n}_b4"], _ = lab.decode_step(n, 4, 1)
+        out[f"decode_{n}_b16"], out[f"decode_{n}_b16_kv"] = lab.decode_step(n, 16, 1)
+        # longer contexts (the attention terms): what later turns and re-prefilled contexts cost
+        out[f"decode_{n}_b16_long"], out[f"decode_{n}_b16_long_kv"] = lab.decode_step(n, 16, 1, context=LONG)
+        for k in (1, 4):
+            t, tokens, pairs = lab.prefill(n, 8, k, 1)
+            out.update({f"prefill_{n}_{k}": t, f"prefill_{n}_{k}_tokens": tokens, f"prefill_{n}_{k}_pairs": pairs})
+        for c in (0, LONG):
+            out[f"prefill_{n}_c{c}"], out[f"prefill_{n}_c{c}_pairs"] = lab.prefill_cached(n, 8, 4, c, 48, 1)
     for n in sorted({LAYOUTS[m][2] for m in MODES}):
         t = lab.train(n, OFFSETS[n], 1)
         out.update({f"train_{n}_{k}": v for k, v in t.items()})
@@ -493,10 +550,18 @@ def _round(lab: "_Lab") -> dict:
     return out
 
 
+LONG = 448  # context tokens of the long-context decode and prefill measurements (later turns' contexts)
 OFFSETS = {8: 0, 4: 4, 2: 6}  # first device of a train mesh of n devices (goodput's layouts put train last)
-# _Lab.rollout: about the groups a goodput.py mode runs (8 updates of 4, and stale ones replaced), two batches in flight
+# _Lab.rollout: about the groups a goodput.py mode runs (8 updates of 4, and stale ones replaced), as each mode
+# runs them: (KV mode, rollout devices, groups in flight): sync one batch at a time on all 8 devices, the
+# others two batches (staleness 1) on 4
 ROLLOUT_GROUPS, ROLLOUT_IN_FLIGHT = 40, 2 * GROUPS
-KV_MODE = {"sync": "request", "async": "request", "tiderl": "ctb", "limit": "ctb"}  # the rollout's KV handling
+ROLLOUTS = (("request", 8, GROUPS), ("request", 4, 2 * GROUPS), ("ctb", 4, 2 * GROUPS))
+KV_MODE = {"sync": "request_8", "async": "request", "tiderl": "ctb", "limit": "ctb"}  # its rollout measurement
+
+
+def _rollout_key(kv_mode: str, devices: int) -> str:
+    return kv_mode if devices == 4 else f"{kv_mode}_{devices}"
 
 
 def warm_params(path: str, log=print):
@@ -531,10 +596,11 @@ def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[
         # the rollout loop alone, as goodput.py's first mode on these devices finds it: no program in memory
         # (each is traced, lowered and loaded from the persistent cache, or compiled), then warm passes
         lab.jax.clear_caches()
-        for kv in ("request", "ctb"):
-            first = lab.rollout(warm, kv, ROLLOUT_GROUPS, ROLLOUT_IN_FLIGHT)
-            best = min((lab.rollout(warm, kv, ROLLOUT_GROUPS, ROLLOUT_IN_FLIGHT) for _ in range(max(1, reps // 2))),
+        for kv, devices, in_flight in ROLLOUTS:
+            first = lab.rollout(warm, kv, ROLLOUT_GROUPS, in_flight, devices)
+            best = min((lab.rollout(warm, kv, ROLLOUT_GROUPS, in_flight, devices) for _ in range(max(1, reps // 2))),
                        key=lambda r: r["wall_s"])
+            kv = _rollout_key(kv, devices)
             calls = best["calls"]
             raw.update({f"rollout_{kv}_first_wall_s": first["wall_s"],
                         f"rollout_{kv}_first_compile_s": first["compile_s"],
@@ -543,7 +609,7 @@ def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[
                         f"rollout_{kv}_busy_s": sum(c[1] - c[0] for c in calls),
                         f"rollout_{kv}_hit_rate": best["counters"]["prefix_hit_rate"],
                         f"rollout_{kv}_shapes": best["shapes"]})
-            log(f"rollout loop alone ({kv}, {ROLLOUT_GROUPS} groups, {ROLLOUT_IN_FLIGHT} at a time, no latency): "
+            log(f"rollout loop alone ({kv}, {ROLLOUT_GROUPS} groups, {in_flight} at a time, no latency): "
                 f"{best['wall_s']:.2f}s, {len(calls)} engine calls ({raw[f'rollout_{kv}_prefill_calls']} prefill) "
                 f"busy {raw[f'rollout_{kv}_busy_s']:.2f}s, KV hit {raw[f'rollout_{kv}_hit_rate']:.3f}; first pass "
                 f"{first['wall_s']:.2f}s with {first['compile_s']:.2f}s for {first['programs']} programs")
@@ -553,12 +619,25 @@ def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[
     for n in sorted({LAYOUTS[m][0] for m in MODES}):
         d4, d16 = raw[f"decode_{n}_b4"], raw[f"decode_{n}_b16"]
         per_seq = max(0.0, (d16 - d4) / 12)
-        (p1, n1), (p4, n4) = [(raw[f"prefill_{n}_{k}"], raw[f"prefill_{n}_{k}_tokens"]) for k in (1, 4)]
-        per_tok = max(0.0, (p4 - p1) / max(1, n4 - n1))
-        fits[n] = dict(decode_step_s=max(0.0, d4 - 4 * per_seq), decode_per_seq_s=per_seq,
-                       prefill_fixed_s=max(0.0, p1 - per_tok * n1), prefill_per_token_s=per_tok)
-        log(f"rollout on {n} devices: decode step {d4 * 1e3:.2f} ms (4 seqs) / {d16 * 1e3:.2f} ms (16); prefill "
-            f"{p1 * 1e3:.1f} ms ({n1} tokens) / {p4 * 1e3:.1f} ms ({n4})")
+        # attention: decode per context token read, prefill per (new, earlier) token pair, from the long contexts
+        per_kv = max(0.0, (raw[f"decode_{n}_b16_long"] - d16) / max(1, raw[f"decode_{n}_b16_long_kv"]
+                                                                     - raw[f"decode_{n}_b16_kv"]))
+        per_pair = max(0.0, (raw[f"prefill_{n}_c{LONG}"] - raw[f"prefill_{n}_c0"])
+                       / max(1.0, raw[f"prefill_{n}_c{LONG}_pairs"] - raw[f"prefill_{n}_c0_pairs"]))
+        # the short measurements' own context and pairs, taken out of their fixed and per-sequence/token parts:
+        # d(B) = step + per_seq * B + per_kv * context (the same context per sequence at 4 and 16)
+        (p1, n1, q1), (p4, n4, q4) = [tuple(raw[f"prefill_{n}_{k}{x}"] for x in ("", "_tokens", "_pairs"))
+                                      for k in (1, 4)]
+        per_tok = max(0.0, (p4 - p1 - per_pair * (q4 - q1)) / max(1, n4 - n1))
+        fits[n] = dict(decode_step_s=max(0.0, d4 - 4 * per_seq),
+                       decode_per_seq_s=max(0.0, per_seq - per_kv * raw[f"decode_{n}_b16_kv"] / 16),
+                       decode_per_kv_token_s=per_kv, prefill_fixed_s=max(0.0, p1 - per_tok * n1 - per_pair * q1),
+                       prefill_per_token_s=per_tok, prefill_per_pair_s=per_pair)
+        log(f"rollout on {n} devices: decode step {d4 * 1e3:.2f} ms (4 seqs) / {d16 * 1e3:.2f} ms (16) / "
+            f"{raw[f'decode_{n}_b16_long'] * 1e3:.2f} ms (16 of {LONG} tokens); prefill {p1 * 1e3:.1f} ms "
+            f"({n1} tokens) / "
+            f"{p4 * 1e3:.1f} ms ({n4}); 4 x 48 tokens after 0 / {LONG} cached {raw[f'prefill_{n}_c0'] * 1e3:.1f} / "
+            f"{raw[f'prefill_{n}_c{LONG}'] * 1e3:.1f} ms")
     for n in sorted({LAYOUTS[m][2] for m in MODES}):
         t = {k: raw[f"train_{n}_{k}"] for k in ("tokens", "time_proximal_s", "time_ref_s", "time_update_s")}
         log(f"train on {n} devices ({t['tokens']} tokens): proximal {t['time_proximal_s']:.2f}s, "
@@ -579,24 +658,26 @@ def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[
             rollout_overlap_x=1.0 if m == "sync" else overlap[train][0],
             train_overlap_x=1.0 if m == "sync" else overlap[train][1], program_s=raw.get("program_s", 0.0),
             source=f"benchmarks/sim_validation.py on this CPU: rollout {roll}, ref {ref}, train {train} fake devices")
-    if warm is not None:  # the rollout loop's host time per engine call, per KV mode (rollout on 4 devices)
-        for kv, mode in (("request", "async"), ("ctb", "tiderl")):
-            raw[f"call_overhead_{kv}_s"] = fit_call_overhead(out[mode], raw[f"rollout_{kv}_shapes"], kv,
-                                                             raw[f"rollout_{kv}_wall_s"])
+    if warm is not None:  # the rollout loop's time per engine call beyond the model, per mode's rollout
+        for kv, mode, in_flight in (("request_8", "sync", GROUPS), ("request", "async", 2 * GROUPS),
+                                    ("ctb", "tiderl", 2 * GROUPS)):
+            raw[f"call_overhead_{kv}_s"] = fit_call_overhead(out[mode], raw[f"rollout_{kv}_shapes"], kv.split("_")[0],
+                                                             raw[f"rollout_{kv}_wall_s"], in_flight, mode)
             log(f"rollout loop ({kv}): {raw[f'call_overhead_{kv}_s'] * 1e3:.1f} ms of host time per engine call "
                 f"beyond the engine's own")
         out = {m: dataclasses.replace(c, call_overhead_s=raw[f"call_overhead_{KV_MODE[m]}_s"]) for m, c in out.items()}
     return out, raw
 
 
-def fit_call_overhead(measured: costs.MeasuredCosts, shapes: list[list[tuple]], kv_mode: str, wall_s: float) -> float:
+def fit_call_overhead(measured: costs.MeasuredCosts, shapes: list[list[tuple]], kv_mode: str, wall_s: float,
+                      in_flight: int = ROLLOUT_IN_FLIGHT, mode: str = "") -> float:
     """`MeasuredCosts.call_overhead_s` that makes the simulated rollout loop alone (`simulate_rollout`: the
     same samples, no programs to load) take the `wall_s` the real one took (`_Lab.rollout`): what the
     real loop spends per engine call beyond the engine's own calls measured alone (the driver's thread
     hand-off, its commands, the tasks' Python, environment steps). 0 when the simulation is slower already."""
     def wall(x):
         return simulate_rollout(dataclasses.replace(measured, call_overhead_s=x, program_s=0.0), shapes, kv_mode,
-                                ROLLOUT_IN_FLIGHT)["wall_s"]
+                                in_flight, mode)["wall_s"]
     lo, hi = 0.0, 0.05
     if wall(lo) >= wall_s:
         return 0.0
@@ -649,7 +730,8 @@ def _window_rate(rows: list[dict], skip: int) -> float:
     return (b["consumed_tokens"] - a["consumed_tokens"]) / (b["wall_s"] - a["wall_s"])
 
 
-def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], kv_mode: str, in_flight: int) -> dict:
+def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], kv_mode: str, in_flight: int,
+                     mode: str = "") -> dict:
     """`_Lab.rollout`'s scenario on `SimBackend` (no training, so no shared cores): the same sample shapes
     (group g: shapes[g], one per sample), no environment latency, `in_flight` groups at a time. Returns the
     virtual seconds, the engine calls (events) and prefill events simulated, and the KV hit rate."""
@@ -657,7 +739,7 @@ def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], k
 
     from tiderl_jax.runtime.pool import split_devices
 
-    mode = "tiderl" if kv_mode == "ctb" else "async"
+    mode = mode or ("tiderl" if kv_mode == "ctb" else "async")  # (sync: one engine on all 8 devices)
     every = [r for g in shapes for r in g]
     w = dataclasses.replace(goodput_workload(demo_shapes(4)), turns=workloads.Fixed(
         round(statistics.mean(len(r[1]) for r in every))))
@@ -666,8 +748,9 @@ def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], k
                                 measured=dataclasses.replace(measured, rollout_overlap_x=1.0, train_overlap_x=1.0),
                                 engine_steps=True, shared_prefix_tokens=shared_prefix(demo_shapes(4)),
                                 prefill_chunk=ENGINE["prefill_chunk"], max_seq_len=ENGINE["max_seq_len"])
-    pool = split_devices(range(8), mode=mode, group_size=2, rollout=2, ref=1 if mode == "tiderl" else 0,
-                         train=1 if mode == "tiderl" else 2, tensor=2)
+    pool = None if mode == "sync" else split_devices(range(8), mode=mode, group_size=2, rollout=2,
+                                                     ref=1 if mode == "tiderl" else 0,
+                                                     train=1 if mode == "tiderl" else 2, tensor=2)
     b = sim_backend.SimBackend(sim, mode=mode, pool=pool, num_devices=8)
     b.shape_sampler = lambda g, rng, n: [workloads.TaskSample(p, gen, obs, (0.0,) * len(obs), False)
                                          for p, gen, obs in shapes[g][:n]]
@@ -755,11 +838,12 @@ def main():
     else:
         cal, raw = calibrate(shapes, args.reps, warm_cache=args.warm_cache)
         print(f"calibration took {raw['calibration_s']:.0f}s", flush=True)
-    replay = {kv: None if args.demonstrations else raw.get(f"rollout_{kv}_shapes") for kv in ("request", "ctb")}
-    for kv in ("request", "ctb"):
+    replay = {kv: None if args.demonstrations else raw.get(f"rollout_{kv}_shapes") for kv in set(KV_MODE.values())}
+    for kv, mode, in_flight in (("request_8", "sync", GROUPS), ("request", "async", 2 * GROUPS),
+                                ("ctb", "tiderl", 2 * GROUPS)):
         if replay[kv] is not None:  # the rollout loop alone: measured vs simulated (same samples, no programs to load)
-            mode = "async" if kv == "request" else "tiderl"
-            r = simulate_rollout(dataclasses.replace(cal[mode], program_s=0.0), replay[kv], kv, ROLLOUT_IN_FLIGHT)
+            r = simulate_rollout(dataclasses.replace(cal[mode], program_s=0.0), replay[kv], kv.split("_")[0], in_flight,
+                                 mode)
             every = [x for g in replay[kv] for x in g]
             print(f"rollout loop alone ({kv}; real samples: {statistics.mean(sum(x[1]) for x in every):.1f} model "
                   f"tokens, {statistics.mean(len(x[1]) for x in every):.2f} turns): measured "

@@ -1100,7 +1100,8 @@ class SimBackend:
         """One batched prefill of `n` new tokens over `c` cached ones, `pairs` causal attention pairs in all
         (sum over sequences of new * cached + new * (new + 1) / 2); measured costs: in `calls` calls."""
         if self.measured is not None:
-            return self.measured.prefill_fixed_s * calls + self.measured.prefill_per_token_s * n if n else 0.0
+            m = self.measured
+            return m.prefill_fixed_s * calls + m.prefill_per_token_s * n + m.prefill_per_pair_s * pairs if n else 0.0
         if n == 0:
             return 0.0
         flops = 2.0 * self._matmul_params * n + self._attn_per_pair * pairs
@@ -1244,6 +1245,8 @@ class SimBackend:
                 if K > chunk:
                     K = chunk
             step = m.decode_step_s + m.decode_per_seq_s * B
+            if m.decode_per_kv_token_s:  # attention over the running sequences' context (as the roofline's)
+                step += m.decode_per_kv_token_s * (ctx_base + B * steps + B * (K - 1) / 2)
             if self._host_jobs:
                 step *= m.rollout_overlap_x
             d = prefill + K * step

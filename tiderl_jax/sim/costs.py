@@ -300,7 +300,9 @@ class MeasuredCosts:
     its size (a fixed part plus a part per token or per sequence):
 
         decode step   = decode_step_s + decode_per_seq_s * B            (B running sequences)
+                        + decode_per_kv_token_s * their context tokens   (attention reads their KV)
         prefill       = prefill_fixed_s + prefill_per_token_s * new tokens   (per event that prefills)
+                        + prefill_per_pair_s * attention pairs            (sum of new * cached + new * (new + 1) / 2)
         proximal pass = score_fixed_s + score_per_token_s * tokens       (train devices; the colocated
                         reference pass costs the same)
         ref pass      = ref_fixed_s + ref_per_token_s * tokens           (ref devices, RA2P decoupled)
@@ -330,6 +332,8 @@ class MeasuredCosts:
     rollout_overlap_x: float = 1.0
     train_overlap_x: float = 1.0
     call_overhead_s: float = 0.0
+    decode_per_kv_token_s: float = 0.0
+    prefill_per_pair_s: float = 0.0
     program_s: float = 0.0  # an engine's first call of a shape bucket (SimConfig.max_seq_len): load or compile
     source: str = ""  # what was measured, where
 
