@@ -153,21 +153,37 @@ def shared_prefix(shapes: dict) -> int:
     return n
 
 
+def task_latencies(group: int, latency: tuple[float, float, float], calls: int) -> list[float]:
+    """The environment latencies the real run draws for the controller's g-th task: its environment
+    (`tasks.make_env`) samples `LatencyModel` from a generator seeded by the task id, one draw per tool
+    call, the same for every sample of the group (each has its own environment of that seed)."""
+    import random
+    import zlib
+
+    from tiderl_jax.agents.env import LatencyModel
+
+    task = task_lib.make_task(KINDS[group % len(KINDS)], group // len(KINDS), "train", 0)
+    rng, model = random.Random(zlib.crc32(task.task_id.encode())), LatencyModel(*latency)
+    return [model.sample(rng) for _ in range(calls)]
+
+
 def replay_sampler(groups: list[list[tuple]], latency: tuple[float, float, float] | None):
     """`SimBackend.shape_sampler` replaying measured samples: group g is `groups[g]` (the real policy's
     samples of the controller's g-th task, `_Lab.rollout`), each sample its own (prompt, model tokens per
-    turn, observation tokens between turns); latencies drawn per call as in `shape_sampler`."""
+    turn, observation tokens between turns, tool calls per turn); each tool call waits the latency the
+    real environment draws for it (`task_latencies`), a turn without a call none."""
     def sample(group: int, rng: np.random.Generator, n: int) -> list[workloads.TaskSample]:
         rows = groups[group % len(groups)]
         out = []
         for i in range(n):
-            prompt, gen, obs = rows[i % len(rows)]
-            if latency is None:
-                lat = (0.0,) * len(obs)
-            else:
-                median, sigma, cap = latency
-                lat = tuple(float(x) for x in np.minimum(cap, median * np.exp(sigma * rng.standard_normal(len(obs)))))
-            out.append(workloads.TaskSample(prompt, tuple(gen), tuple(obs), lat, False))
+            prompt, gen, obs, *rest = rows[i % len(rows)]
+            calls = rest[0] if rest else (1,) * len(obs)
+            draws = [] if latency is None else task_latencies(group, latency, sum(calls))
+            lat, k = [], 0
+            for c in calls:
+                lat.append(float(sum(draws[k:k + c])))
+                k += c
+            out.append(workloads.TaskSample(prompt, tuple(gen), tuple(obs), tuple(lat), False))
         return out
     return sample
 
@@ -508,13 +524,21 @@ class _Lab:
             await runner.stop()
             return out, wall
         out, wall = asyncio.run(main())
-        shapes = []
+        shapes, tok = [], Tokenizer.builtin()
         for trajs in out:
             rows = []
             for t in trajs:
                 turns = t.turns
+                if not turns:  # (a task that failed before its first turn)
+                    continue
+                # the tool calls of each turn followed by an environment step: each waits the environment's
+                # latency (ToolEnvironment.step: a malformed turn, or one without a call, waits none)
+                calls = []
+                for u in turns[:-1]:
+                    parsed = chat.parse_tool_calls(tok.decode(t.tokens[u.start:u.end]))
+                    calls.append(0 if parsed.errors else len(parsed.tool_calls))
                 rows.append((turns[0].start, tuple(u.end - u.start for u in turns),
-                             tuple(b.start - a.end for a, b in zip(turns, turns[1:]))))
+                             tuple(b.start - a.end for a, b in zip(turns, turns[1:])), tuple(calls)))
             shapes.append(rows)
         c = {k: eng._counters[k] - c0[k] for k in c0}
         c["prefix_hit_rate"] = c["prompt_tokens_cached"] / max(1, c["prompt_tokens"])
@@ -615,6 +639,18 @@ def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[
                 f"{first['wall_s']:.2f}s with {first['compile_s']:.2f}s for {first['programs']} programs")
         raw["program_s"] = raw["rollout_request_first_compile_s"] / max(1, raw["rollout_request_first_programs"])
     raw["calibration_s"] = time.perf_counter() - t_all
+    raw["train_micro"] = costs.packed_micro_batches([len(t.tokens) for t in lab.batch()], TRAINER["row_len"],
+                                                    TRAINER["micro_rows"])
+    raw["ref_2_micro"] = costs.packed_micro_batches([len(t.tokens) for t in lab.batch(1)], TRAINER["row_len"],
+                                                    TRAINER["micro_rows"])
+    return fit(raw, log, warm is not None), raw
+
+
+def fit(raw: dict, log=print, rollout: bool = True) -> dict[str, costs.MeasuredCosts]:
+    """`MeasuredCosts` per mode from the raw measurements (`calibrate`; `--calibration` re-fits a saved
+    run's raw measurements with this code). `rollout`: the rollout loop was measured alone."""
+    overlap = {n: (raw[f"overlap_{n}_rollout_x"], raw[f"overlap_{n}_train_x"])
+               for n in sorted({LAYOUTS[m][2] for m in MODES if m != "sync"})}
     fits = {}
     for n in sorted({LAYOUTS[m][0] for m in MODES}):
         d4, d16 = raw[f"decode_{n}_b4"], raw[f"decode_{n}_b16"]
@@ -649,16 +685,18 @@ def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[
     out = {}
     for m in MODES:
         roll, ref, train = LAYOUTS[m]
-        tokens = raw[f"train_{train}_tokens"]
+        # the trainer computes whole packed micro-batches: its times per micro-batch of the measured batch
+        micro, ref_micro = raw["train_micro"], raw["ref_2_micro"]
         out[m] = costs.MeasuredCosts(
-            **fits[roll], score_fixed_s=0.0, score_per_token_s=raw[f"train_{train}_time_proximal_s"] / tokens,
-            update_fixed_s=0.0, update_per_token_s=raw[f"train_{train}_time_update_s"] / tokens,
-            ref_fixed_s=0.0, ref_per_token_s=raw["ref_2"] / raw["ref_2_tokens"],
+            **fits[roll], score_fixed_s=0.0, score_per_token_s=0.0,
+            score_per_micro_s=raw[f"train_{train}_time_proximal_s"] / micro,
+            update_fixed_s=0.0, update_per_token_s=0.0, update_per_micro_s=raw[f"train_{train}_time_update_s"] / micro,
+            ref_fixed_s=0.0, ref_per_token_s=0.0, ref_per_micro_s=raw["ref_2"] / ref_micro,
             sync_s=raw[f"sync_{roll}_{train}"], switch_s=10.0,
             rollout_overlap_x=1.0 if m == "sync" else overlap[train][0],
             train_overlap_x=1.0 if m == "sync" else overlap[train][1], program_s=raw.get("program_s", 0.0),
             source=f"benchmarks/sim_validation.py on this CPU: rollout {roll}, ref {ref}, train {train} fake devices")
-    if warm is not None:  # the rollout loop's time per engine call beyond the model, per mode's rollout
+    if rollout:  # the rollout loop's time per engine call beyond the model, per mode's rollout
         for kv, mode, in_flight in (("request_8", "sync", GROUPS), ("request", "async", 2 * GROUPS),
                                     ("ctb", "tiderl", 2 * GROUPS)):
             raw[f"call_overhead_{kv}_s"] = fit_call_overhead(out[mode], raw[f"rollout_{kv}_shapes"], kv.split("_")[0],
@@ -666,7 +704,7 @@ def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[
             log(f"rollout loop ({kv}): {raw[f'call_overhead_{kv}_s'] * 1e3:.1f} ms of host time per engine call "
                 f"beyond the engine's own")
         out = {m: dataclasses.replace(c, call_overhead_s=raw[f"call_overhead_{KV_MODE[m]}_s"]) for m, c in out.items()}
-    return out, raw
+    return out
 
 
 def fit_call_overhead(measured: costs.MeasuredCosts, shapes: list[list[tuple]], kv_mode: str, wall_s: float,
@@ -706,7 +744,7 @@ def simulate(mode: str, measured: costs.MeasuredCosts, shapes: dict, seed: int, 
                                 max_batch=ENGINE["max_running"], decode_chunk=ENGINE["decode_steps"],
                                 measured=measured, engine_steps=True, shared_prefix_tokens=shared_prefix(shapes),
                                 prefill_chunk=ENGINE["prefill_chunk"], max_seq_len=ENGINE["max_seq_len"],
-                                seed=seed)
+                                train_row_len=TRAINER["row_len"], train_micro_rows=TRAINER["micro_rows"], seed=seed)
     logdir = tempfile.mkdtemp(prefix=f"simval_{mode}_")
     summary, _, _ = sim_backend.run(sim, ccfg, num_devices=8, logdir=logdir,
                                     shape_sampler=(shape_sampler if replay is None else replay_sampler)(
@@ -752,8 +790,8 @@ def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], k
                                                      ref=1 if mode == "tiderl" else 0,
                                                      train=1 if mode == "tiderl" else 2, tensor=2)
     b = sim_backend.SimBackend(sim, mode=mode, pool=pool, num_devices=8)
-    b.shape_sampler = lambda g, rng, n: [workloads.TaskSample(p, gen, obs, (0.0,) * len(obs), False)
-                                         for p, gen, obs in shapes[g][:n]]
+    b.shape_sampler = lambda g, rng, n: [workloads.TaskSample(r[0], tuple(r[1]), tuple(r[2]), (0.0,) * len(r[2]), False)
+                                         for r in shapes[g][:n]]
     events = []
     walk = b._walk
 
@@ -832,8 +870,11 @@ def main():
           f"{statistics.mean(sum(r[1]) for r in every):.1f} model tokens per sample", flush=True)
     if args.calibration:
         saved = json.load(open(args.calibration))
-        cal = {m: costs.MeasuredCosts(**c) for m, c in saved["calibration"].items()}
         raw = dict(saved["raw"], reused=args.calibration)
+        if "train_micro" in raw:  # its raw measurements, fitted by this code
+            cal = fit(raw, rollout="rollout_ctb_shapes" in raw)
+        else:  # an older calibration: its costs as they were saved
+            cal = {m: costs.MeasuredCosts(**c) for m, c in saved["calibration"].items()}
         print(f"calibration reused from {args.calibration}", flush=True)
     else:
         cal, raw = calibrate(shapes, args.reps, warm_cache=args.warm_cache)

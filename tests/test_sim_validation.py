@@ -129,3 +129,13 @@ def test_an_engine_pays_for_each_program_once_and_a_process_once_per_devices():
     assert t3 == pytest.approx(0.1 + 0.01 + 3 * 8 * 0.01 + 2 * 1.0)  # prefill: 256 tokens, decode: 15 pages
     with pytest.raises(ValueError):  # the prefill programs' buckets come from the chunk
         _rollout([[(40, (20,), ())]], measured=m, engine_steps=True, max_seq_len=2048)
+
+
+def test_measured_attention_terms_charge_context_and_pairs():
+    # 40-token prompt, 8 tokens in one chunk: prefill 0.1 + 1e-5 per pair (40 * 41 / 2); decode 8 steps over a
+    # context of 40 + 7 / 2 tokens on average (the chunk rule's mean context), 1e-4 s per context token
+    m = costs.MeasuredCosts(**{**M.__dict__, "decode_per_kv_token_s": 1e-4, "prefill_per_pair_s": 1e-5})
+    t, _ = _rollout([[(40, (8,), ())]], measured=m)
+    assert t == pytest.approx(0.1 + 1e-5 * 820 + 8 * (0.01 + 1e-4 * 43.5))
+    t0, _ = _rollout([[(40, (8,), ())]])
+    assert t0 == pytest.approx(0.1 + 8 * 0.01)

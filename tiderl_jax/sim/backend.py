@@ -188,6 +188,10 @@ class SimConfig:
     # per row; prefill: rows x chunk length x pages), so a replica's first event that needs a bucket it has not
     # run pays `program_s` (a fresh backend is a fresh engine, as each mode of goodput.py builds its own)
     max_seq_len: int = 0
+    # measured costs: the trainer's rows and rows per micro-batch (TrainerConfig.row_len, micro_rows), for the
+    # micro-batch terms of MeasuredCosts (`costs.packed_micro_batches`); 0: none
+    train_row_len: int = 0
+    train_micro_rows: int = 0
 
     def __post_init__(self):
         workloads.workload(self.workload)
@@ -200,7 +204,8 @@ class SimConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1")
         for name in ("kv_pages", "initial_growth", "shared_prefix_tokens", "prefill_chunk", "max_seq_len",
-                     "sync_fixed_s", "switch_fixed_s", "optimizer_bytes_per_param"):
+                     "train_row_len", "train_micro_rows", "sync_fixed_s", "switch_fixed_s",
+                     "optimizer_bytes_per_param"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 0")
         if self.engine_steps and self.measured is None:
@@ -531,7 +536,7 @@ class SimBackend:
                 seconds = costs.score_time(self.shape, self.hw, tokens, devices=devices,
                                            seq_len=seq_len, eff=self.eff)
             else:
-                seconds = m.ref_fixed_s + m.ref_per_token_s * tokens
+                seconds = m.ref_fixed_s + m.ref_per_token_s * tokens + m.ref_per_micro_s * self._micro(trajectories)
             await self._host_work(seconds)
         return [0.0] * len(trajectories), False
 
@@ -595,8 +600,9 @@ class SimBackend:
             proximal = costs.score_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
             update = costs.train_step_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
         else:
-            proximal = m.score_fixed_s + m.score_per_token_s * tokens
-            update = m.update_fixed_s + m.update_per_token_s * tokens
+            micro = self._micro(trajectories)
+            proximal = m.score_fixed_s + m.score_per_token_s * tokens + m.score_per_micro_s * micro
+            update = m.update_fixed_s + m.update_per_token_s * tokens + m.update_per_micro_s * micro
         has_ref = bool(trajectories) and all(t.info.get("ref_logp") is not None for t in trajectories)
         ref = 0.0 if has_ref else proximal
         if self._train_extra:  # borrowed replicas merge their gradients
@@ -607,6 +613,13 @@ class SimBackend:
             self.metrics.busy_device_s["rollout"] += (self.loop.time() - t0) * self._train_extra
         return dict(tokens=float(sum(t.model_tokens for t in trajectories)), reward=0.0, loss=0.0,
                     time_proximal_s=proximal, time_ref_s=ref, time_update_s=update, compile_s=0.0)
+
+    def _micro(self, trajectories: Sequence[Trajectory]) -> int:
+        """The trainer's micro-batches for these trajectories (SimConfig.train_row_len; 0 without it)."""
+        if not self.cfg.train_row_len or not self.cfg.train_micro_rows:
+            return 0
+        return costs.packed_micro_batches([getattr(t, "context_tokens", 0) or len(t.tokens) for t in trajectories],
+                                          self.cfg.train_row_len, self.cfg.train_micro_rows)
 
     async def publish(self, version: int) -> bool:
         await asyncio.sleep(self._sync_s)
