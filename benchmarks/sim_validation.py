@@ -9,18 +9,32 @@ configuration of benchmarks/goodput.py with the real controller, compare goodput
 
 **Calibration: what is set from what** (all measured by this script, in-process, in seconds; no
 number of the goodput runs enters the simulation; `--reps` interleaved rounds of every measurement,
-the fastest kept, since other processes on this shared machine only add time and their load drifts):
-- *rollout* (`costs.MeasuredCosts.decode_*`, `prefill_*`): the real `Engine` with goodput.py's engine
-  config (prefix cache off, so every prompt token is computed) and the goodput model (random weights:
-  speed does not depend on them), on a mesh of the layout's rollout devices (8 for sync, 4 for async and
-  tiderl). A decode step = (time of one engine step with B sequences decoding, 8 steps per call) / 8,
-  at two batch sizes -> fixed + per-sequence parts. A prefill = time of an engine step that admits new
-  prompts (real prompts of the tasks) minus one decode step, at two sizes -> fixed + per-token parts.
+the fastest kept, since other processes on this shared machine only add time and their load drifts;
+`fit` turns the raw measurements into `MeasuredCosts`, and `--calibration` re-fits a saved run's):
+- *rollout engine* (`costs.MeasuredCosts.decode_*`, `prefill_*`): the real `Engine` with goodput.py's
+  engine config (prefix cache off, so every prompt token is computed) and the goodput model (random
+  weights: speed does not depend on them), on a mesh of the layout's rollout devices (8 for sync, 4 for
+  the others). A decode step = (one engine step with B sequences decoding, 8 steps per call) / 8, at
+  B = 4 and 16 on the prompts and at B = 16 on 448-token contexts -> fixed, per-sequence and per
+  context-token (attention) parts. A prefill = an engine step admitting new prompts minus one decode
+  step (1 and 4 prompts), and the prefill calls of 4 resumed sequences after 0 and 448 cached tokens
+  -> fixed (per call), per-token and per attention-pair parts.
+- *the rollout loop alone* (`call_overhead_s`, `program_s`, and the samples the simulation replays;
+  needs goodput.py's cached warm start, `--warm-cache`): `RolloutRunner` with the warm-start policy,
+  goodput.py's engine (prefix cache on) and rollout config, no environment latency, 40 groups of the
+  controller's tasks, in each mode's configuration (sync: request-level on 8 devices, one batch of 4
+  groups at a time; async: request-level on 4, 8 groups at a time; tiderl / limit: CTB on 4). First
+  with no program in memory (`jax.clear_caches()`, as goodput.py's first mode on those devices finds
+  it): `program_s` = its compile seconds per program (loads from the persistent compile cache), then
+  warm passes: the real samples (prompt, model tokens per turn, observation tokens, tool calls per
+  turn) and the wall time; `call_overhead_s` = the time per engine call that makes the simulated
+  loop on the same samples take the measured wall time (`fit_call_overhead`), per configuration.
 - *training* (`score_*`, `update_*`): `Trainer.rl_step` with goodput.py's trainer config on a batch of
   4 groups x 4 demonstration trajectories, on a mesh of the layout's train devices (8 / 4 / 2); its own
-  timers give the proximal pass, the reference pass (colocated, the same program) and the update;
-  per context token (the batch is the size the goodput runs train on).
-- *reference on its own devices* (`ref_*`, tiderl): `Scorer.score_trajectories` on 2 devices, one group.
+  timers give the proximal pass, the reference pass (colocated, the same program) and the update, per
+  packed micro-batch (`costs.packed_micro_batches`: the trainer computes whole padded micro-batches).
+- *reference on its own devices* (`ref_*`, tiderl): `Scorer.score_trajectories` on 2 devices, one group,
+  per micro-batch.
 - *weight sync* (`sync_s`): `Engine.update_params` with the trainer's parameters placed on the engine's
   shardings. *Moves* (`switch_s`): not measured (the goodput runs made none), set to 10 s.
 - *shared cores* (`rollout_overlap_x`, `train_overlap_x`): engine steps (a thread, 12 sequences
@@ -29,22 +43,26 @@ the fastest kept, since other processes on this shared machine only add time and
   ref passes use its factors too). On this machine the engine
   barely advances while a train step runs (XLA's CPU programs of the two share one pool of 2 cores),
   so the simulated rollout and training nearly take turns in every mode, as they do in the real runs.
-- *workload*: the tasks' demonstrations (what the SFT warm start imitates): per task (calculator and
-  lookup in turn, one task per GRPO group as the controller assigns them) the prompt tokens, the model
-  tokens of each turn and the observation tokens between turns, through the same chat template and
-  byte tokenizer; environment latency log-normal median 0.3 s, sigma 1.0, capped at 5 s (goodput.py's
-  flags; `limit`: none). Layouts, batch, steps, skipped steps, staleness, concurrency: goodput.py's.
+- *workload*: the samples of the rollout-loop measurement, replayed per group (the controller's g-th
+  task), each tool call waiting the latency the real environment draws for it (`task_latencies`: seeded
+  by the task id, the same for every sample of a group; log-normal median 0.3 s, sigma 1.0, capped at
+  5 s, goodput.py's flags; `limit`: none); without the warm start (or `--demonstrations`), the tasks'
+  demonstrations with latencies drawn per call. Layouts, batch, steps, skipped steps, staleness,
+  concurrency: goodput.py's; each seed simulates the four modes in goodput.py's order in one simulated
+  process, so programs compiled by an earlier mode on the same devices are found in memory.
+- *the engine's own rules* (`SimConfig.engine_steps`, from `Engine`'s code): 1 decode step in a call that
+  prefills, 8 otherwise; turns handed over when the call returns; one prefill call per chunk-length
+  bucket; a group's prompt shared only once computed, the system prompt every task shares
+  (`shared_prefix`) once any prompt was prefilled under the version; a program per shape bucket.
 
 **What the simulator cannot represent here** (so a ratio may differ for these reasons):
-- Core sharing is a first-order factor (the state when work starts), not processor sharing, and the
-  rollout loop's own Python (tokenising, parsing tool calls, the environments, asyncio) that competes
-  with the trainer for the GIL and the cores is not modelled.
-- The real policy samples: its turns and lengths vary around the demonstrations, some tasks fail or
-  run longer; the simulation replays the demonstration's shape for every sample of a group.
-- The real engine decodes 1 step per call while a prefill waits, and pads batches to buckets; the
-  simulated one decodes K = min(8, longest remaining turn) per event.
-- Compile time (excluded from both: the first updates are skipped), JAX dispatch jitter, and the other
-  processes on this shared machine (noise of about +-10% between the two measured runs).
+- Core sharing is processor sharing at the measured factors; the rollout loop's host time is one
+  number per engine call and configuration (measured alone, not while training runs).
+- The replayed samples are the warm-start policy's; the real runs' policy changes over its 8 updates
+  (their samples after update 4 differ), and trainer programs compiled for new batch shapes are not
+  simulated (async's first run shows them: updates of 3-8 s instead of 2.3 s at updates 3, 5 and 8).
+- JAX dispatch jitter and the other processes on this shared machine (the two measured runs differ by
+  up to 27% per mode: async 226 and 262 tok/s).
 
 **Results so far** (2026-11-30, while another engineer's jobs kept this 2-core machine at a load
 average of 3 to 13): four calibrations gave relative errors of the ratio to sync of async -0.4% /
@@ -533,12 +551,12 @@ class _Lab:
                     continue
                 # the tool calls of each turn followed by an environment step: each waits the environment's
                 # latency (ToolEnvironment.step: a malformed turn, or one without a call, waits none)
-                calls = []
+                tools = []
                 for u in turns[:-1]:
                     parsed = chat.parse_tool_calls(tok.decode(t.tokens[u.start:u.end]))
-                    calls.append(0 if parsed.errors else len(parsed.tool_calls))
+                    tools.append(0 if parsed.errors else len(parsed.tool_calls))
                 rows.append((turns[0].start, tuple(u.end - u.start for u in turns),
-                             tuple(b.start - a.end for a, b in zip(turns, turns[1:])), tuple(calls)))
+                             tuple(b.start - a.end for a, b in zip(turns, turns[1:])), tuple(tools)))
             shapes.append(rows)
         c = {k: eng._counters[k] - c0[k] for k in c0}
         c["prefix_hit_rate"] = c["prompt_tokens_cached"] / max(1, c["prompt_tokens"])

@@ -139,3 +139,54 @@ def test_measured_attention_terms_charge_context_and_pairs():
     assert t == pytest.approx(0.1 + 1e-5 * 820 + 8 * (0.01 + 1e-4 * 43.5))
     t0, _ = _rollout([[(40, (8,), ())]])
     assert t0 == pytest.approx(0.1 + 8 * 0.01)
+
+
+def test_packed_micro_batches_follows_the_trainers_packing():
+    import numpy as np
+
+    from tiderl_jax.agents.trajectory import Trajectory
+    from tiderl_jax.rl import batch
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lengths = [int(x) for x in rng.integers(50, 1000, size=int(rng.integers(1, 40)))]
+        trajs = []
+        for n in lengths:
+            t = Trajectory("t", "calculator", 0)
+            t.extend([1] * (n - 1), generated=False)
+            t.extend([2], generated=True, logprobs=[0.0], model_logprobs=[0.0], versions=[0])
+            trajs.append(t)
+        packed = batch.pack(trajs, row_len=1024, micro_rows=4)
+        assert costs.packed_micro_batches(lengths, 1024, 4) == packed.arrays["tokens"].shape[0]
+
+
+def test_train_time_follows_micro_batches_not_tokens(tmp_path):
+    from tiderl_jax.runtime.controller import ControllerConfig
+
+    m = costs.MeasuredCosts(**{**M.__dict__, "score_per_token_s": 0.0, "update_per_token_s": 0.0,
+                               "score_per_micro_s": 0.5, "update_per_micro_s": 2.0})
+    sim = SimConfig(tp=0, kv_pages=4096, measured=m, train_row_len=1024, train_micro_rows=4)
+    cfg = ControllerConfig(mode="async", steps=2, groups_per_step=2, group_size=4, max_concurrent=16,
+                           device_group_size=2, rollout_groups=2, ref_groups=0, train_groups=2, tensor=1)
+    _, controller, _ = sim_backend.run(sim, cfg, num_devices=8, logdir=str(tmp_path / "micro"))
+    spans = [b - a for lane, kind, a, b in controller.metrics.spans if kind == "train"]
+    # 8 trajectories of the 7B preset's workload (up to 1024-token contexts): 1 or 2 micro-batches of
+    # (proximal + colocated ref + update) = 3 s each
+    assert spans and all(round(s / 3.0) in (1, 2) and abs(s / 3.0 - round(s / 3.0)) < 1e-9 for s in spans)
+
+
+def test_replayed_samples_wait_the_latencies_their_environment_draws():
+    import random
+    import zlib
+
+    from tiderl_jax.agents.env import LatencyModel
+
+    sv = _validation()
+    groups = [[(100, (60, 8), (30,), (1,)), (100, (60, 8, 5), (30, 20), (0, 1))]]
+    out = sv.replay_sampler(groups, (0.3, 1.0, 5.0))(0, None, 2)
+    task = task_lib.make_task("calculator", 0, "train", 0)
+    rng = random.Random(zlib.crc32(task.task_id.encode()))
+    first = LatencyModel(0.3, 1.0, 5.0).sample(rng)
+    assert out[0].env_latency_s == (first,)  # every sample of the group: the same environment seed
+    assert out[1].env_latency_s == (0.0, first)  # a turn without a tool call waits none
+    assert sv.replay_sampler(groups, None)(0, None, 2)[1].env_latency_s == (0.0, 0.0)
