@@ -64,15 +64,24 @@ the fastest kept, since other processes on this shared machine only add time and
 - JAX dispatch jitter and the other processes on this shared machine (the two measured runs differ by
   up to 27% per mode: async 226 and 262 tok/s).
 
-**Results so far** (2026-11-30, while another engineer's jobs kept this 2-core machine at a load
-average of 3 to 13): four calibrations gave relative errors of the ratio to sync of async -0.4% /
-+45% / -5.5% / +70% and tiderl +12% / +6% / -33% / +7%. The spread is the calibration's, not the
-simulation's (8 seeds per mode agree within a few %): the train step on 8 devices (sync's) measured
-4.8 s in one calibration and 8.8 s in another, 4 devices 3.6 s and 6.0 s. Every calibration agrees
-on the structure: the engine barely advances while a train step runs (x60 to x130 slower), so on
-this machine rollout and training take turns in every mode and what async / tiderl gain is mostly
-the environment waiting they hide. The 15% target needs a quiet machine (`--reps 8`); `--calibration`
-re-simulates a saved calibration without measuring.
+**Results** (2026-11-30, measured runs /tmp/notes/goodput_run1.json and goodput_run2.json; calibration
+/tmp/notes/sim_validation_s4.json, 295 s on a quiet machine; ratio to sync, simulated vs measured):
+
+| mode | measured (updates 3-8) | simulated | error | measured (updates 6-8) | simulated | error |
+|---|---|---|---|---|---|---|
+| async | 1.022 | 1.203 | +17.7% | 1.391 | 1.288 | -7.4% |
+| tiderl | 1.359 | 1.287 | -5.3% | 1.396 | 1.303 | -6.7% |
+| limit | 1.404 | 1.407 | +0.2% | 1.466 | 1.493 | +1.8% |
+
+The simulated sync update takes 7.58 s (measured 7.65 s). Before the engine's rules, the rollout
+loop's measurement, the attention terms, the replayed samples and latencies and the per-micro-batch
+trainer, the same comparison gave async +65.9%, tiderl +11.9%, limit +31.9%. The measured async of
+updates 3-8 holds a start-up the simulation shows only in part: async is the first mode on the 4-device
+meshes in each goodput.py process, so its engine and trainer load or compile their programs while it
+runs (its updates 3-5 take 8.4 / 8.0 / 6.4 s in run 2 and 10.4 / 9.6 / 13.7 s in run 1, then 4.6-6.2 s,
+the two runs within 4% of each other; run 1's trainer compiled at updates 3, 5 and 8). Against run 2
+alone async is +10.8%. The calibration itself varies by some percent between runs on this shared
+machine (e.g. the residual per engine call of the sync configuration: 13 ms in one run, 4 ms in the next).
 
 Output: a table and JSON rows with `mode`, `measured_goodput`, `simulated_goodput` (tokens/s, mean over
 `--seeds` simulation seeds), `measured_ratio` / `simulated_ratio` (goodput / sync goodput) and
