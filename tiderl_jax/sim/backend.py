@@ -94,7 +94,16 @@ times measured on a host replace the roofline (no scaling with device counts: fa
 a host's cores do not add speed), `tp=0` runs one replica on all rollout devices (one engine, as the
 real backend), and train / ref jobs share the cores with the rollout by processor sharing
 (`_host_work`: each side advances at 1 / its measured overlap factor while the other works; in-flight
-replica events are re-timed when the first job starts and the last one ends).
+replica events are re-timed when the first job starts and the last one ends). With them, the real engine's
+own rules replace the roofline replica's where they differ (`engine_steps`, each an `Engine` behaviour):
+an event is one engine call, which decodes 1 step when it prefills or leaves a turn waiting and a whole
+`decode_chunk` otherwise (ended rows ride along), and hands its ended turns to the rollout loop when it
+returns; it makes one prefill call per chunk-length bucket (`prefill_chunk`); a first turn's prompt hits
+the prefix cache only for blocks computed by an earlier call (a GRPO group's samples admitted together
+all compute it; `shared_prefix_tokens`: the system prompt every task shares); every call pays the rollout
+loop's measured host time (`MeasuredCosts.call_overhead_s`), and a call whose shape bucket the process
+has not run yet loads its program (`MeasuredCosts.program_s`, `max_seq_len`; `programs`: what the
+simulated process has run, shared by the backends of one process).
 
 Busy time (MECHANISMS.md §9 waiting): with `attach(metrics)`, each replica event adds
 `seconds * tp` busy device-seconds to the rollout lane (replicas idle while others work count as
@@ -160,6 +169,29 @@ class SimConfig:
     war_speculation: bool = False
     spec_draft_tokens: int = 4
     spec_accepted_tokens: float = 2.0
+    # the real engine's step rule (`engine.Engine.step`; measured costs only): an event that prefills,
+    # or leaves a turn waiting in the queue, decodes 1 step; any other decodes `decode_chunk` steps
+    # whatever the running turns have left (ended rows ride along); the turns an event ends reach the
+    # rollout loop when the event ends (the engine's call returns), not at their own step
+    engine_steps: bool = False
+    # with `engine_steps`, the engine's prefix cache for first turns: blocks are shared once computed, so a
+    # GRPO group's prompt hits only for samples admitted in a later event than the group's first (the
+    # samples admitted together all compute it), and a prompt's first `shared_prefix_tokens` (a system
+    # prompt every task shares: its full pages) hit once any prompt was prefilled under this version
+    shared_prefix_tokens: int = 0
+    # with `engine_steps`: the engine's longest prefill chunk (EngineConfig.prefill_chunk; 0: one prefill call per
+    # event): an event makes one prefill call per chunk-length bucket among the sequences it admits (powers of
+    # two from 16 up to this, as `Engine._run_prefill`), each paying `MeasuredCosts.prefill_fixed_s`
+    prefill_chunk: int = 0
+    # with `engine_steps` and `MeasuredCosts.program_s`: the engine's longest sequence (EngineConfig.max_seq_len),
+    # for its shape buckets. Every engine jits its programs itself, one per shape bucket (decode: rows x pages
+    # per row; prefill: rows x chunk length x pages), so a replica's first event that needs a bucket it has not
+    # run pays `program_s` (a fresh backend is a fresh engine, as each mode of goodput.py builds its own)
+    max_seq_len: int = 0
+    # measured costs: the trainer's rows and rows per micro-batch (TrainerConfig.row_len, micro_rows), for the
+    # micro-batch terms of MeasuredCosts (`costs.packed_micro_batches`); 0: none
+    train_row_len: int = 0
+    train_micro_rows: int = 0
 
     def __post_init__(self):
         workloads.workload(self.workload)
@@ -171,9 +203,13 @@ class SimConfig:
         for name in ("page_size", "max_batch", "decode_chunk", "finished_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1")
-        for name in ("kv_pages", "initial_growth", "sync_fixed_s", "switch_fixed_s", "optimizer_bytes_per_param"):
+        for name in ("kv_pages", "initial_growth", "shared_prefix_tokens", "prefill_chunk", "max_seq_len",
+                     "train_row_len", "train_micro_rows", "sync_fixed_s", "switch_fixed_s",
+                     "optimizer_bytes_per_param"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 0")
+        if self.engine_steps and self.measured is None:
+            raise ValueError("SimConfig.engine_steps models the real engine's calls: it needs measured costs")
         if self.spec_draft_tokens < 1 or not 1.0 <= self.spec_accepted_tokens <= self.spec_draft_tokens + 1:
             raise ValueError(f"SimConfig: spec_draft_tokens={self.spec_draft_tokens} must be >= 1 and "
                              f"spec_accepted_tokens={self.spec_accepted_tokens} in [1, spec_draft_tokens + 1]")
@@ -255,7 +291,7 @@ class _Replica:
     __slots__ = ("rid", "devices", "capacity", "version", "pending", "queue", "running", "steps", "ends",
                  "maxend", "ctx_base", "vlog", "used", "cache", "cache_pages", "pinned", "footprints", "live",
                  "prompts", "alive", "borrowed", "busy", "retry", "arrivals", "wake_at", "span", "w_step",
-                 "w_last", "w_prev", "w_chunks", "w_dur", "__dict__")
+                 "w_last", "w_prev", "w_chunks", "w_dur", "one_step", "__dict__")
 
     def __init__(self, rid: int, devices: tuple, capacity: int):
         self.rid, self.devices, self.capacity = rid, devices, capacity  # capacity in pages
@@ -274,7 +310,10 @@ class _Replica:
         self.pinned: dict[_Seq, None] = {}  # CTB: waiting tasks holding KV (insertion order)
         self.footprints = 0  # CTB: admitted tasks' footprint estimates (tokens)
         self.live = 0  # tasks placed here and not finished
-        self.prompts: dict[int, list] = {}  # gid -> [version written, samples here holding it]
+        self.prompts: dict[int, list] = {}  # gid -> [version written, samples here holding it, event]
+        self.events = 0  # events that admitted (SimConfig.engine_steps: what a block computed by then is)
+        self.prefix_at = (-1, 0)  # (version, event) of the first prompt prefilled under that version
+        self.programs: set = set()  # shape buckets this replica's engine has run (SimConfig.max_seq_len)
         self.alive = True
         self.borrowed = False  # BiDiRL: serving on borrowed train devices
         self.busy = False  # a span of events in flight
@@ -290,6 +329,7 @@ class _Replica:
         self.w_prev = 0.0
         self.w_chunks = 0
         self.w_dur = 0.0
+        self.one_step = False  # SimConfig.engine_steps: the span's event prefilled or left a turn waiting
 
 
 class SimBackend:
@@ -322,6 +362,10 @@ class SimBackend:
         # task shapes of a group: (group, rng, n) -> n TaskSamples; None: `sample_tasks` of the workload
         # (benchmarks/sim_validation.py replays the tasks' demonstrations)
         self.shape_sampler = None
+        # SimConfig.max_seq_len: the shape buckets already run in this process, as (replica devices, bucket);
+        # None: each replica's own (`_Replica.programs`). JAX keeps compiled programs per process, so an
+        # engine built later on the same devices (the next mode of goodput.py) finds them in memory
+        self.programs: set | None = None
         self._replica_devices = config.tp  # tp=0: all rollout devices (set by _rebuild)
         self._kv_bytes = costs.kv_bytes_per_token(self.shape)
         # costs.decode_step_time's terms, computed once (it is called at every replica event)
@@ -357,6 +401,22 @@ class SimBackend:
         self._span_lane = False  # shared lanes (sync): replica busy time is summed per rollout span instead
         self._span_busy = 0.0  # device-seconds of replica events in the open rollout span
         self._spec = config.war_speculation and config.measured is None
+        self._engine_steps = config.engine_steps
+        self._call_overhead = config.measured.call_overhead_s if config.measured is not None else 0.0
+        # `Engine._chunk_buckets` (SimConfig.prefill_chunk with engine_steps), () otherwise
+        chunk = config.prefill_chunk if config.engine_steps else 0
+        self._chunk_buckets = _pow2_buckets(min(16, chunk), chunk) if chunk else ()
+        # `Engine`'s shape buckets (SimConfig.max_seq_len with engine_steps and MeasuredCosts.program_s)
+        m = config.measured
+        self._program_s = m.program_s if (m is not None and config.engine_steps and config.max_seq_len) else 0.0
+        if self._program_s:
+            if not chunk:
+                raise ValueError("SimConfig.max_seq_len (engine programs) needs prefill_chunk")
+            max_pages = config.max_seq_len // config.page_size
+            self._decode_pages = _half_pow2_buckets(min(4, max_pages), max_pages)
+            self._prefill_pages = _pow2_buckets(min(4, max_pages), max_pages)
+            self._decode_rows = _pow2_buckets(min(8, config.max_batch), config.max_batch)
+            self._prefill_rows = _pow2_buckets(1, min(16, config.max_batch))  # EngineConfig.max_prefill_rows
         self._mean_latency = self.workload.env_latency_s.mean()
         self._ref_lock: asyncio.Lock | None = None  # created on the loop in start()
         self.metrics = None
@@ -476,7 +536,7 @@ class SimBackend:
                 seconds = costs.score_time(self.shape, self.hw, tokens, devices=devices,
                                            seq_len=seq_len, eff=self.eff)
             else:
-                seconds = m.ref_fixed_s + m.ref_per_token_s * tokens
+                seconds = m.ref_fixed_s + m.ref_per_token_s * tokens + m.ref_per_micro_s * self._micro(trajectories)
             await self._host_work(seconds)
         return [0.0] * len(trajectories), False
 
@@ -540,8 +600,9 @@ class SimBackend:
             proximal = costs.score_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
             update = costs.train_step_time(self.shape, self.hw, tokens, devices=n, seq_len=seq_len, eff=self.eff)
         else:
-            proximal = m.score_fixed_s + m.score_per_token_s * tokens
-            update = m.update_fixed_s + m.update_per_token_s * tokens
+            micro = self._micro(trajectories)
+            proximal = m.score_fixed_s + m.score_per_token_s * tokens + m.score_per_micro_s * micro
+            update = m.update_fixed_s + m.update_per_token_s * tokens + m.update_per_micro_s * micro
         has_ref = bool(trajectories) and all(t.info.get("ref_logp") is not None for t in trajectories)
         ref = 0.0 if has_ref else proximal
         if self._train_extra:  # borrowed replicas merge their gradients
@@ -552,6 +613,13 @@ class SimBackend:
             self.metrics.busy_device_s["rollout"] += (self.loop.time() - t0) * self._train_extra
         return dict(tokens=float(sum(t.model_tokens for t in trajectories)), reward=0.0, loss=0.0,
                     time_proximal_s=proximal, time_ref_s=ref, time_update_s=update, compile_s=0.0)
+
+    def _micro(self, trajectories: Sequence[Trajectory]) -> int:
+        """The trainer's micro-batches for these trajectories (SimConfig.train_row_len; 0 without it)."""
+        if not self.cfg.train_row_len or not self.cfg.train_micro_rows:
+            return 0
+        return costs.packed_micro_batches([getattr(t, "context_tokens", 0) or len(t.tokens) for t in trajectories],
+                                          self.cfg.train_row_len, self.cfg.train_micro_rows)
 
     async def publish(self, version: int) -> bool:
         await asyncio.sleep(self._sync_s)
@@ -939,6 +1007,8 @@ class SimBackend:
         queue, running, max_batch = r.queue, r.running, self.cfg.max_batch
         prompt_tokens = cached_tokens = prefill_tokens = 0
         pairs = 0.0
+        chunk_buckets = self._chunk_buckets
+        calls: dict[int, list] = {}  # chunk-length bucket -> [rows, most pages]: one prefill call each
         ends, push = r.ends, heapq.heappush
         while queue and len(running) < max_batch:
             s = queue[0]
@@ -971,13 +1041,26 @@ class SimBackend:
                         cached = entry[1]
                 if s.turn == 0 and s.written == 0:
                     p = r.prompts.get(s.gid)
-                    if p is not None and p[0] == r.version and p[1] > 0:
+                    if self._engine_steps:  # blocks computed in an earlier event only (`SimConfig.engine_steps`)
+                        event = r.events
+                        if p is not None and p[0] == r.version and p[1] > 0 and p[2] < event:
+                            cached = max(cached, (s.shape.prompt_tokens - 1) // ps * ps)
+                        elif r.prefix_at[0] == r.version and r.prefix_at[1] < event:
+                            cached = max(cached, min(self.cfg.shared_prefix_tokens, s.shape.prompt_tokens - 1)
+                                         // ps * ps)
+                        if r.prefix_at[0] != r.version:
+                            r.prefix_at = (r.version, event)
+                    elif p is not None and p[0] == r.version and p[1] > 0:
                         cached = max(cached, (s.shape.prompt_tokens - 1) // self.ps * self.ps)
                     if p is None or p[0] != r.version:
-                        r.prompts[s.gid] = p = [r.version, 0]
+                        r.prompts[s.gid] = p = [r.version, 0, r.events]
                     p[1] += 1
             ctx = s.ctx
             new = ctx - cached
+            if chunk_buckets:
+                call = calls.setdefault(_bucket(min(new, chunk_buckets[-1]), chunk_buckets), [0, 0])
+                call[0] += 1
+                call[1] = max(call[1], -(-ctx // ps))
             s.new_tokens = 0  # prefilled by this event
             prompt_tokens += ctx
             cached_tokens += cached
@@ -995,15 +1078,30 @@ class SimBackend:
             if end > r.maxend or not running:
                 r.maxend = end
             running[s] = None
+        r.events += 1
         if not prompt_tokens:
             return 0.0
         c = self.counters
         c["prompt_tokens"] += prompt_tokens
         c["prompt_tokens_cached"] += cached_tokens
         c["prefill_tokens"] += prefill_tokens
-        return self._prefill_time(prefill_tokens, cached_tokens, pairs)
+        seconds = self._prefill_time(prefill_tokens, cached_tokens, pairs, len(calls) or 1)
+        if self._program_s:  # programs this engine has not run yet (SimConfig.max_seq_len)
+            for width, (rows, pages) in calls.items():
+                key = ("prefill", _bucket(rows, self._prefill_rows), width, _bucket(pages, self._prefill_pages))
+                seconds += self._program(r, key)
+        return seconds
 
     # ---------------------------------------------------------------- serving
+
+    def _program(self, r: _Replica, key: tuple) -> float:
+        """Seconds to get the device program of shape bucket `key` on `r` (SimConfig.max_seq_len):
+        `program_s` the first time (in this process: `programs`, or on this replica), else 0."""
+        seen, key = (r.programs, key) if self.programs is None else (self.programs, (r.devices, key))
+        if key in seen:
+            return 0.0
+        seen.add(key)
+        return self._program_s
 
     def _decode_step(self, batch: int, context_tokens: float) -> float:
         """`costs.decode_step_time(shape, hw, batch, context_tokens, devices=tp, eff)`, its constants cached."""
@@ -1011,11 +1109,12 @@ class SimBackend:
         bytes_moved = self._param_bytes + self._kv_bytes * (context_tokens + batch)
         return max(flops / self._flops_rate, bytes_moved / self._bytes_rate)
 
-    def _prefill_time(self, n: int, c: int, pairs: float) -> float:
+    def _prefill_time(self, n: int, c: int, pairs: float, calls: int = 1) -> float:
         """One batched prefill of `n` new tokens over `c` cached ones, `pairs` causal attention pairs in all
-        (sum over sequences of new * cached + new * (new + 1) / 2)."""
+        (sum over sequences of new * cached + new * (new + 1) / 2); measured costs: in `calls` calls."""
         if self.measured is not None:
-            return self.measured.prefill_fixed_s + self.measured.prefill_per_token_s * n if n else 0.0
+            m = self.measured
+            return m.prefill_fixed_s * calls + m.prefill_per_token_s * n + m.prefill_per_pair_s * pairs if n else 0.0
         if n == 0:
             return 0.0
         flops = 2.0 * self._matmul_params * n + self._attn_per_pair * pairs
@@ -1049,18 +1148,31 @@ class SimBackend:
                 start, prefill, first, step = r.w_last
                 start += prefill
                 pop = heapq.heappop
+                at_end = self._engine_steps  # the engine's call returns them all at once
                 while ends and ends[0][0] <= last:
                     end, _, s = pop(ends)
                     self._retire(r, s)
-                    self._turn_end(r, s, start + (end - first) * step)
+                    self._turn_end(r, s, now if at_end else start + (end - first) * step)
+        admitted = False
         if r.queue or r.pending:
+            before = self._admissions
             prefill = self._admit(r)
+            admitted = self._admissions != before
             if self._host_jobs:  # measured costs, cores shared with a train / ref job
                 prefill *= self.measured.rollout_overlap_x
         else:
             prefill = 0.0
+        r.one_step = admitted or bool(r.queue)  # (read by `_walk` with SimConfig.engine_steps)
         B = len(r.running)
         self._load_prefill += prefill
+        if B and self._call_overhead:  # measured costs: the rollout loop's host time per engine call
+            prefill += self._call_overhead * (self.measured.rollout_overlap_x if self._host_jobs else 1.0)
+        if B and self._program_s:  # the decode program of this batch's shape bucket, if this engine lacks it
+            K = 1 if r.one_step else self._chunk
+            steps = r.steps
+            pages = max(-(-(s.ctx0 + steps - s.start + K - 1) // self.ps) for s in r.running)
+            key = ("decode", _bucket(B, self._decode_rows), _bucket(pages, self._decode_pages))
+            prefill += self._program(r, key) * (self.measured.rollout_overlap_x if self._host_jobs else 1.0)
         if not B:  # idle until something arrives
             r.retry = False
             if busy:
@@ -1139,10 +1251,15 @@ class SimBackend:
                     break
                 prefill = 0.0
         else:
-            K = maxend - steps
-            if K > chunk:
-                K = chunk
+            if self._engine_steps:  # `Engine.step`: 1 step in a call that prefills or leaves a turn waiting
+                K = 1 if r.one_step else chunk
+            else:
+                K = maxend - steps
+                if K > chunk:
+                    K = chunk
             step = m.decode_step_s + m.decode_per_seq_s * B
+            if m.decode_per_kv_token_s:  # attention over the running sequences' context (as the roofline's)
+                step += m.decode_per_kv_token_s * (ctx_base + B * steps + B * (K - 1) / 2)
             if self._host_jobs:
                 step *= m.rollout_overlap_x
             d = prefill + K * step
@@ -1351,6 +1468,32 @@ class SimBackend:
                 ctx.__exit__(None, None, None)
 
 
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """`engine.runner.pow2_buckets` (that module needs JAX; the simulator does not)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+def _half_pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """`engine.runner.half_pow2_buckets`."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
+    return tuple(out) + (hi,)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """`engine.runner.bucket`: the smallest bucket that holds n (the largest if none does)."""
+    for b in buckets:
+        if n <= b:
+            return b
+    return buckets[-1]
+
+
 def sample_tasks(w: workloads.Workload, rng: np.random.Generator, n: int) -> list[workloads.TaskSample]:
     """`n` task shapes by `workloads.sample_task`'s rule (same distributions, clipping and `max_context`
     truncation), each distribution drawn once for all `n` tasks (a different random stream than `n`
@@ -1420,11 +1563,13 @@ def rare_collections(threshold: int = 1_000_000):
 
 
 def run(sim: SimConfig, controller_config, *, num_devices: int, logdir: str,
-        shape_sampler=None) -> tuple[dict, Any, SimBackend]:
+        shape_sampler=None, programs: set | None = None) -> tuple[dict, Any, SimBackend]:
     """Runs the controller on the simulator to its last step: (summary, controller, backend).
-    `shape_sampler`: `SimBackend.shape_sampler` (None: the workload's distributions)."""
+    `shape_sampler`: `SimBackend.shape_sampler` (None: the workload's distributions); `programs`:
+    `SimBackend.programs` (shared by the runs of one simulated process)."""
     controller, backend = make_controller(sim, controller_config, num_devices=num_devices, logdir=logdir)
     backend.shape_sampler = shape_sampler
+    backend.programs = programs
     loop = backend.loop
     try:
         asyncio.set_event_loop(loop)

@@ -291,6 +291,22 @@ def switch_time(state_bytes: float, hw: Accelerator, *, devices: int, span_devic
     return transfer_time(state_bytes, hw.link_bandwidth(span_devices), streams=_devices(devices), latency_s=fixed_s)
 
 
+def packed_micro_batches(lengths, row_len: int, micro_rows: int) -> int:
+    """Micro-batches the trainer computes for sequences of these lengths (`rl.batch.pack`: first-fit
+    decreasing into rows of `row_len` tokens, `micro_rows` rows per micro-batch, their count rounded up
+    to a power of two; sequences longer than a row are dropped)."""
+    used: list[int] = []
+    for n in sorted((n for n in lengths if n <= row_len), reverse=True):
+        for r, u in enumerate(used):
+            if u + n <= row_len:
+                used[r] += n
+                break
+        else:
+            used.append(n)
+    micro = max(1, -(-len(used) // micro_rows))
+    return 1 << (micro - 1).bit_length()
+
+
 @dataclasses.dataclass(frozen=True)
 class MeasuredCosts:
     """Per-operation seconds measured on a real machine, used by `SimBackend` instead of the roofline
@@ -300,12 +316,18 @@ class MeasuredCosts:
     its size (a fixed part plus a part per token or per sequence):
 
         decode step   = decode_step_s + decode_per_seq_s * B            (B running sequences)
+                        + decode_per_kv_token_s * their context tokens   (attention reads their KV)
         prefill       = prefill_fixed_s + prefill_per_token_s * new tokens   (per event that prefills)
+                        + prefill_per_pair_s * attention pairs            (sum of new * cached + new * (new + 1) / 2)
         proximal pass = score_fixed_s + score_per_token_s * tokens       (train devices; the colocated
-                        reference pass costs the same)
+                        + score_per_micro_s * micro-batches               reference pass costs the same)
         ref pass      = ref_fixed_s + ref_per_token_s * tokens           (ref devices, RA2P decoupled)
-        update        = update_fixed_s + update_per_token_s * tokens
+                        + ref_per_micro_s * micro-batches
+        update        = update_fixed_s + update_per_token_s * tokens + update_per_micro_s * micro-batches
         weight sync   = sync_s;  device move = switch_s
+        engine call   + call_overhead_s                                  (per replica event: the rollout
+                        loop's host time per engine call beyond the call measured alone)
+                      + program_s per shape bucket the engine runs for the first time
 
     Shared cores: rollout and training that overlap slow each other down. A replica event that starts
     while a train or ref job runs takes `rollout_overlap_x` times longer; a train or ref job that
@@ -326,6 +348,15 @@ class MeasuredCosts:
     switch_s: float = 0.0
     rollout_overlap_x: float = 1.0
     train_overlap_x: float = 1.0
+    call_overhead_s: float = 0.0
+    decode_per_kv_token_s: float = 0.0
+    prefill_per_pair_s: float = 0.0
+    # per packed micro-batch (`packed_micro_batches`; SimConfig.train_row_len): the trainer computes whole
+    # padded micro-batches, so its time follows their count, not the tokens in them
+    score_per_micro_s: float = 0.0
+    update_per_micro_s: float = 0.0
+    ref_per_micro_s: float = 0.0
+    program_s: float = 0.0  # an engine's first call of a shape bucket (SimConfig.max_seq_len): load or compile
     source: str = ""  # what was measured, where
 
     def __post_init__(self):
