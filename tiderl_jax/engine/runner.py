@@ -25,38 +25,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
+from tiderl_jax.engine.buckets import bucket, half_pow2_buckets, pow2_buckets  # noqa: F401 (re-exported)
 from tiderl_jax.engine.paged_attention import PagedKV, write_pages
 from tiderl_jax.engine.sampling import row_keys, sample
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import place_copy, spec_for
-
-
-def bucket(n: int, buckets) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (hi,)
-
-
-def half_pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    """Powers of two and the midpoints 1.5 x 2^k (4, 6, 8, 12, 16, 24, ...), capped at hi.
-
-    Used for the attention span (pages per row): the padded span costs attention time every
-    decode step, so buckets 1.5x apart waste half what pow2 buckets do, for twice the programs.
-    """
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
-    return tuple(out) + (hi,)
 
 
 def _prefill_program(graphdef, params, k_pages, v_pages, tokens, page_table, starts, num_new,

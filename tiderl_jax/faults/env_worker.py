@@ -378,31 +378,25 @@ class EnvWorker:
             loop.remove_writer(self._fd)
             loop.remove_reader(self._sentinel)
 
-    def _on_readable(self) -> None:
+    def _on_readable(self) -> bool:
+        """One recv: dispatches the frames it completes (at EOF: `_end`); False when nothing was
+        waiting or the child ended."""
         try:
             data = self._sock.recv(_READ_SIZE)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
             data = b""
-        if data:
-            self._dispatch(self._frames.feed(data))
-        else:
+        if not data:
             self._end()
+            return False
+        self._dispatch(self._frames.feed(data))
+        return True
 
     def _drain(self) -> None:
         """Reads and dispatches everything that has arrived (at EOF: `_end`)."""
-        while not self._ended:
-            try:
-                data = self._sock.recv(_READ_SIZE)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self._end()
-                return
-            self._dispatch(self._frames.feed(data))
+        while not self._ended and self._on_readable():
+            pass
 
     def _on_exit(self) -> None:
         """The child exited: what it sent before is read first."""

@@ -132,6 +132,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.engine.buckets import half_pow2_buckets, pow2_buckets
 from tiderl_jax.policies import ctb, war
 from tiderl_jax.runtime.pool import DevicePool, lanes_of, split_devices
 from tiderl_jax.sim import clock as clock_lib
@@ -405,7 +406,7 @@ class SimBackend:
         self._call_overhead = config.measured.call_overhead_s if config.measured is not None else 0.0
         # `Engine._chunk_buckets` (SimConfig.prefill_chunk with engine_steps), () otherwise
         chunk = config.prefill_chunk if config.engine_steps else 0
-        self._chunk_buckets = _pow2_buckets(min(16, chunk), chunk) if chunk else ()
+        self._chunk_buckets = pow2_buckets(min(16, chunk), chunk) if chunk else ()
         # `Engine`'s shape buckets (SimConfig.max_seq_len with engine_steps and MeasuredCosts.program_s)
         m = config.measured
         self._program_s = m.program_s if (m is not None and config.engine_steps and config.max_seq_len) else 0.0
@@ -413,10 +414,10 @@ class SimBackend:
             if not chunk:
                 raise ValueError("SimConfig.max_seq_len (engine programs) needs prefill_chunk")
             max_pages = config.max_seq_len // config.page_size
-            self._decode_pages = _half_pow2_buckets(min(4, max_pages), max_pages)
-            self._prefill_pages = _pow2_buckets(min(4, max_pages), max_pages)
-            self._decode_rows = _pow2_buckets(min(8, config.max_batch), config.max_batch)
-            self._prefill_rows = _pow2_buckets(1, min(16, config.max_batch))  # EngineConfig.max_prefill_rows
+            self._decode_pages = half_pow2_buckets(min(4, max_pages), max_pages)
+            self._prefill_pages = pow2_buckets(min(4, max_pages), max_pages)
+            self._decode_rows = pow2_buckets(min(8, config.max_batch), config.max_batch)
+            self._prefill_rows = pow2_buckets(1, min(16, config.max_batch))  # EngineConfig.max_prefill_rows
         self._mean_latency = self.workload.env_latency_s.mean()
         self._ref_lock: asyncio.Lock | None = None  # created on the loop in start()
         self.metrics = None
@@ -1466,24 +1467,6 @@ class SimBackend:
             elif self._span_ctx is not None:
                 ctx, self._span_ctx = self._span_ctx, None
                 ctx.__exit__(None, None, None)
-
-
-def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    """`engine.runner.pow2_buckets` (that module needs JAX; the simulator does not)."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (hi,)
-
-
-def _half_pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    """`engine.runner.half_pow2_buckets`."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
-    return tuple(out) + (hi,)
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
