@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from tiderl_jax.policies import ers, ra2p
+from tiderl_jax.policies import ers, ra2p, staleness
 from tiderl_jax.policies.ers import ERSConfig, ERSHistory, ERSSignals, Move, decide
 from tiderl_jax.policies.ra2p import RA2PSignals, choose_mode
 from tiderl_jax.policies.staleness import capacity, is_fresh, staleness_config, version_lag
@@ -417,3 +417,13 @@ def test_with_economics_the_best_allowed_move_wins():
     # no allowed move pays: refused with the best one named
     move, history = decide(_ers(**STARVED), ERSHistory(), ONE_STEP, dataclasses.replace(e, move_cost_s=1e6))
     assert move is None and "best move (rollout -> train)" in history.refused
+
+
+def test_train_coupling_and_staleness_room():
+    assert ers.train_coupling(5.0, 10.0, 1) == pytest.approx(0.25)
+    assert ers.train_coupling(20.0, 10.0, 0) == 1.0 and ers.train_coupling(1.0, 0.0, 1) == 0.0
+    with pytest.raises(ValueError, match="held_s"):
+        ers.train_coupling(-1.0, 10.0, 1)
+    # capacity is the smaller of max_concurrent's room and the staleness bound's
+    assert staleness.staleness_room(running=3, eta=1, version=2, batch_size=4, accepted=9) == 4
+    assert capacity(100, 3, 1, 2, 4, 9) == 4 and capacity(5, 3, 1, 2, 4, 9) == 2

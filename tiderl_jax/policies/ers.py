@@ -193,6 +193,14 @@ def move_gain(s: ERSSignals, e: MoveEconomics, to_role: str, from_role: str | No
     return max(t, production) - max(t_new, production_new)
 
 
+def train_coupling(held_s: float, step_s: float, eta: int) -> float:
+    """`MoveEconomics.train_coupling` (ours): the share of the step the staleness bound held admission
+    (`held_s` of `step_s`), over eta + 1 (each update frees the next batch's admissions)."""
+    if held_s < 0 or step_s < 0 or eta < 0:
+        raise ValueError(f"train_coupling needs held_s, step_s, eta >= 0; got {held_s}, {step_s}, {eta}")
+    return min(1.0, held_s / step_s) / (eta + 1) if step_s > 0 else 0.0
+
+
 def measured_scaling(groups_before: int, groups_after: int, time_ratio: float, prior: float = 1.0) -> float:
     """The `scaling` that explains a role's compute time changing by `time_ratio` (after / before,
     same work) when it went from `groups_before` to `groups_after` groups; clipped to [0, 1].

@@ -73,9 +73,12 @@ def capacity(max_concurrent: int, running: int, eta: int, version: int, batch_si
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     _check_nonnegative(running=running, eta=eta, version=version, accepted=accepted)
-    by_concurrency = max_concurrent - running
-    by_staleness = (eta + version + 1) * batch_size - (accepted + running)
-    return max(0, min(by_concurrency, by_staleness))
+    return max(0, min(max_concurrent - running, staleness_room(running, eta, version, batch_size, accepted)))
+
+
+def staleness_room(running: int, eta: int, version: int, batch_size: int, accepted: int) -> int:
+    """The staleness bound's term of `capacity` alone (may be negative): rollouts it lets start now."""
+    return (eta + version + 1) * batch_size - (accepted + running)
 
 
 def version_lag(versions: int | Sequence[int], current_version: int) -> int:

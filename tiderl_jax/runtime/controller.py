@@ -284,8 +284,8 @@ class Controller:
             if cap < G:
                 self._producer_blocked = True
                 # held by the staleness bound's term of the capacity (not by max_concurrent): ERS's coupling
-                eta = self.cfg.staleness.eta
-                if (eta + self.version + 1) * self.cfg.batch_samples - (self.accepted + self.running) < G:
+                if staleness.staleness_room(self.running, self.cfg.staleness.eta, self.version,
+                                            self.cfg.batch_samples, self.accepted) < G:
                     self._held_since = self.clock()
                 self._wake.clear()
                 await self._wake.wait()
@@ -565,7 +565,7 @@ class Controller:
         now = self.clock()
         held = self._held_by_staleness_s + (now - self._held_since if self._held_since is not None else 0.0)
         held, self._held_mark = held - self._held_mark, held
-        coupling = min(1.0, held / step_time) / (self.cfg.staleness.eta + 1) if step_time > 0 else 0.0
+        coupling = ers.train_coupling(held, max(step_time, 0.0), self.cfg.staleness.eta)
         rollout_scaling = self.backend.rollout_scaling() if hasattr(self.backend, "rollout_scaling") else None
         rollout_busy = self.metrics.busy_s["rollout"] - self._rollout_busy_mark
         ref_busy = self.metrics.busy_s["ref"] - self._ref_busy_mark
