@@ -6,6 +6,8 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# the simulator's compiled event core (setup.py), rebuilt when its source changes
+CORE := $(VENV)/.sim_core
 # Faked devices for the CPU default and the sharding tests; a persistent compile cache halves warm compiles.
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
@@ -15,18 +17,22 @@ export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES ?= 0
 
 .PHONY: run test venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	TIDERL_NO_EXTENSIONS=1 $(VENV)/bin/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-venv: $(STAMP)
+$(CORE): $(STAMP) tiderl_jax/sim/backend.py tiderl_jax/sim/backend.pxd
+	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $(CORE)
 
-run: $(STAMP)
+venv: $(CORE)
+
+run: $(CORE)
 	$(VENV)/bin/python launch/train.py --config=configs/tiny_agentic.py $(ARGS)
 
-test: $(STAMP)
+test: $(CORE)
 	$(VENV)/bin/python -m pytest -q tests $(ARGS)
 
 clean:

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+import tiderl_jax.sim as sim_py
 from tiderl_jax.runtime.controller import ControllerConfig
 from tiderl_jax.sim import backend as sim_backend
 from tiderl_jax.sim import costs, workloads
@@ -24,8 +25,8 @@ def _config(mode, **kw):
     return ControllerConfig(**{**base, **kw})
 
 
-def _run(tmp_path, mode, sim=SimConfig(), name=None, **kw):
-    return sim_backend.run(sim, _config(mode, **kw), num_devices=DEVICES, logdir=str(tmp_path / (name or mode)))
+def _run(tmp_path, mode, sim=SimConfig(), name=None, module=sim_backend, **kw):
+    return module.run(sim, _config(mode, **kw), num_devices=DEVICES, logdir=str(tmp_path / (name or mode)))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "tiderl"])
@@ -145,21 +146,30 @@ def test_shared_cores_slow_overlapping_work(tmp_path):
 BORROW = dict(bidirl=True, rollout_groups=1, ref_groups=0, train_groups=3)  # the rollout borrows train devices
 
 
-@pytest.mark.parametrize("mode,sim,kw", [
+CORE_CASES = [  # configurations that reach every branch of the replica event core
     ("tiderl", SimConfig(), {}), ("async", SimConfig(), {}), ("sync", SimConfig(), {}),
     ("tiderl", SimConfig(kv_pages=600), {}),  # KV-bound: blocked admissions, CTB evictions
     ("async", SimConfig(kv_pages=600, decode_chunk=4), {}),
     ("tiderl", SimConfig(tp=0, kv_pages=4096, measured=_measured(rollout_overlap_x=3.0, train_overlap_x=1.5)), {}),
     ("async", SimConfig(switch_fixed_s=0.0), dict(BORROW, steps=5)),
-    ("sync", SimConfig(workload="bidirl-math", war_speculation=True), {})])
+    ("sync", SimConfig(workload="bidirl-math", war_speculation=True), {})]
+
+
+def _core_kw(mode, kw):
+    return {**(dict(steps=4, ers_patience=1, ers_cooldown=0) if mode == "tiderl" else dict(steps=4)), **kw}
+
+
+@pytest.mark.parametrize("mode,sim,kw", CORE_CASES)
 def test_event_spans_time_every_event_as_its_own_heap_entry(tmp_path, monkeypatch, mode, sim, kw):
     # reference: a span of one event (its own heap entry and boundary, the event core before spans);
     # spans of many events between boundaries where a batch can change must give the same run, to the bit
-    kw = {**(dict(steps=4, ers_patience=1, ers_cooldown=0) if mode == "tiderl" else dict(steps=4)), **kw}
-    fast, _, _ = _run(tmp_path, mode, sim, name="spans", **kw)
-    walk = sim_backend.SimBackend._walk
-    monkeypatch.setattr(sim_backend.SimBackend, "_walk", lambda self, r, until: walk(self, r, -np.inf))
-    ref, _, _ = _run(tmp_path, mode, sim, name="events", **kw)
+    # (on the uncompiled module: a compiled class cannot be patched)
+    python = sim_py.python_reference()
+    kw = _core_kw(mode, kw)
+    fast, _, _ = _run(tmp_path, mode, sim, name="spans", module=python, **kw)
+    walk = python.SimBackend._walk
+    monkeypatch.setattr(python.SimBackend, "_walk", lambda self, r, until: walk(self, r, -np.inf))
+    ref, _, _ = _run(tmp_path, mode, sim, name="events", module=python, **kw)
     for key in ("wall_s", "goodput_tokens_per_s", "kv_hit_rate", "staleness", "step_time_s", "sim", "moves"):
         assert fast[key] == ref[key], key
     for key in ("rollout_wait_s", "trainer_wait_s"):  # busy seconds summed per span instead of per event
@@ -215,9 +225,10 @@ def test_a_broken_rollout_side_stops_the_run_with_its_error(tmp_path, monkeypatc
     # every sample raises at once: the producer must not admit (and fail) groups forever
     async def broken(self, task, group, samples, expected_group_size):
         raise RuntimeError("no rollout replica")
-    monkeypatch.setattr(sim_backend.SimBackend, "generate_group", broken)
+    python = sim_py.python_reference()  # (a compiled class cannot be patched)
+    monkeypatch.setattr(python.SimBackend, "generate_group", broken)
     with pytest.raises(RuntimeError, match="rollout producer failed") as e:
-        _run(tmp_path, "async")
+        _run(tmp_path, "async", module=python)
     assert "every sample of the last 8 groups failed (last: RuntimeError: no rollout replica)" in str(e.value.__cause__)
 
 
@@ -247,3 +258,22 @@ def test_ers_gives_the_ref_group_to_the_trainer_when_the_rollout_does_not_scale(
     assert 0.0 < e.train_coupling <= 0.5 and e.rollout_scaling is not None and e.rollout_scaling < 0.5
     rows = [json.loads(line) for line in open(tmp_path / "tiderl" / "metrics.jsonl")]
     assert all("ers_train_coupling" in r and "ers_rollout_scaling" in r for r in rows)
+
+
+def test_the_compiled_event_core_is_built_and_in_use():
+    # setup.py compiles sim/backend.py (with a C compiler, as `make` installs it); an extension older
+    # than its source is not used (tiderl_jax.sim.compiled_core)
+    assert sim_py.compiled_core() is not None, "no current compiled simulator core: run `pip install -e .`"
+    assert sim_backend.__file__ == sim_py.compiled_core()
+    python = sim_py.python_reference()
+    assert python.__file__.endswith("backend.py") and python.SimBackend is not sim_backend.SimBackend
+
+
+@pytest.mark.parametrize("mode,sim,kw", CORE_CASES)
+def test_the_compiled_core_runs_exactly_as_its_python_source(tmp_path, mode, sim, kw):
+    kw = _core_kw(mode, kw)
+    compiled, _, _ = _run(tmp_path, mode, sim, name="compiled", **kw)
+    python, _, _ = _run(tmp_path, mode, sim, name="python", module=sim_py.python_reference(), **kw)
+    for key in ("wall_s", "goodput_tokens_per_s", "kv_hit_rate", "staleness", "step_time_s", "sim", "moves",
+                "rollout_wait_s", "trainer_wait_s", "borrows"):
+        assert compiled[key] == python[key], key

@@ -248,7 +248,7 @@ class _Seq:
                  "pinned", "kv_pages", "footprint", "tokens_added", "wait_started", "new_tokens", "cached",
                  "finish_at", "admitted", "start", "end", "ctx0", "run")
 
-    def __init__(self, gid: int, sample: int, shape: workloads.TaskSample, future: "_Waiter"):
+    def __init__(self, gid: int, sample: int, shape: workloads.TaskSample, future: _Waiter | None):
         self.gid, self.sample, self.shape, self.future = gid, sample, shape, future
         self.turn = 0
         self.left = shape.gen_tokens[0]  # tokens still to write this turn
@@ -891,7 +891,7 @@ class SimBackend:
             return r
         raise RuntimeError("no rollout replica")
 
-    def _set_live(self, r: _Replica, delta: int) -> None:
+    def _set_live(self, r: _Replica, delta) -> None:
         r.live += delta
         if r.alive:
             load = self._load_heap
@@ -952,7 +952,7 @@ class SimBackend:
     def _free(self, r: _Replica) -> int:
         return r.capacity - r.used - r.cache_pages
 
-    def _evict_cache(self, r: _Replica, need: int, keep: _Seq | None) -> None:
+    def _evict_cache(self, r: _Replica, need, keep: _Seq | None) -> None:
         """LRU: drops cached KV until `need` pages are free (never `keep`'s own entry)."""
         for s in list(r.cache):
             if self._free(r) >= need:
@@ -1110,7 +1110,7 @@ class SimBackend:
         bytes_moved = self._param_bytes + self._kv_bytes * (context_tokens + batch)
         return max(flops / self._flops_rate, bytes_moved / self._bytes_rate)
 
-    def _prefill_time(self, n: int, c: int, pairs: float, calls: int = 1) -> float:
+    def _prefill_time(self, n, c, pairs: float, calls=1) -> float:
         """One batched prefill of `n` new tokens over `c` cached ones, `pairs` causal attention pairs in all
         (sum over sequences of new * cached + new * (new + 1) / 2); measured costs: in `calls` calls."""
         if self.measured is not None:
