@@ -824,7 +824,7 @@ def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], k
 
     def counted(r, until):  # one entry per event timed (a re-timed event is counted once: last wins)
         t = walk(r, until)
-        events.append((r.span[0], r.one_step))
+        events.append((r.span_start, r.one_step))
         return t
     b._walk = counted
 

@@ -19,14 +19,14 @@ cdef class _Seq:
 
 cdef class _Replica:
     cdef public long rid, capacity, version, steps, maxend, ctx_base, used, cache_pages, footprints, live, events
-    cdef public long w_step, w_chunks
+    cdef public long w_step, w_chunks, w_first, span_steps, span_batch, span_ctx_base, span_maxend, span_first_end
     cdef public object devices, pending, queue, cache
     cdef public dict running, pinned, prompts
     cdef public list ends, vlog, arrivals
-    cdef public tuple prefix_at, span, w_last
+    cdef public tuple prefix_at
     cdef public set programs
     cdef public bint alive, borrowed, busy, retry, one_step
-    cdef public double wake_at, w_prev, w_dur
+    cdef public double wake_at, w_prev, w_dur, w_start, w_prefill, w_step_s, span_start, span_prefill
 
 cdef class SimBackend:
     cdef dict __dict__
@@ -39,8 +39,9 @@ cdef class SimBackend:
     cdef public object loop, measured, cfg, counters
     cdef public list _heap, _load_heap
 
-    # the event core's internal steps: C calls (the heap's `_wake` / `_env_return` and `_walk` stay Python
-    # methods: the heap and tests call them)
+    # the event core's steps: C calls (`_walk` stays a Python method: tests and sim_validation wrap it)
+    cdef _wake(self, _Replica r)
+    cdef _env_return(self, _Seq seq)
     cdef _Replica _pick(self)
     cdef _set_live(self, _Replica r, long delta)
     cdef _place(self, _Seq seq)

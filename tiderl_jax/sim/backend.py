@@ -291,8 +291,10 @@ class _Replica:
 
     __slots__ = ("rid", "devices", "capacity", "version", "pending", "queue", "running", "steps", "ends",
                  "maxend", "ctx_base", "vlog", "used", "cache", "cache_pages", "pinned", "footprints", "live",
-                 "prompts", "alive", "borrowed", "busy", "retry", "arrivals", "wake_at", "span", "w_step",
-                 "w_last", "w_prev", "w_chunks", "w_dur", "one_step", "__dict__")
+                 "prompts", "alive", "borrowed", "busy", "retry", "arrivals", "wake_at", "span_start", "span_prefill",
+                 "span_steps", "span_batch", "span_ctx_base", "span_maxend", "span_first_end", "w_step", "w_start",
+                 "w_prefill", "w_first", "w_step_s", "w_prev", "w_chunks", "w_dur", "one_step", "events", "prefix_at",
+                 "programs")
 
     def __init__(self, rid: int, devices: tuple, capacity: int):
         self.rid, self.devices, self.capacity = rid, devices, capacity  # capacity in pages
@@ -321,12 +323,14 @@ class _Replica:
         self.retry = False  # an admission that failed changed the KV: the next event boundary tries again
         self.arrivals: list = []  # (time, order, seq): environment returns and placements not yet queued
         self.wake_at = _INF  # when its next heap entry runs (`_wake`); entries at other times are stale
-        # the span in flight: (start, prefill seconds, first step, batch, ctx_base, longest end, first turn end)
-        self.span = (0.0, 0.0, 0, 0, 0, 0, 0)
-        # its last event (the one `wake_at` ends): the decode step count then, (start, prefill seconds,
-        # first step, decode step seconds) of that event, its start time, events and busy seconds so far
+        # the span in flight: its start, prefill seconds, first step, batch, ctx_base, longest end, first turn end
+        self.span_start = self.span_prefill = 0.0
+        self.span_steps = self.span_batch = self.span_ctx_base = self.span_maxend = self.span_first_end = 0
+        # its last event (the one `wake_at` ends): the decode step count then; that event's start, prefill
+        # seconds, first step and decode step seconds; its start time, events and busy seconds so far
         self.w_step = 0
-        self.w_last = (0.0, 0.0, 0, 0.0)
+        self.w_start = self.w_prefill = self.w_step_s = 0.0
+        self.w_first = 0
         self.w_prev = 0.0
         self.w_chunks = 0
         self.w_dur = 0.0
@@ -428,7 +432,8 @@ class SimBackend:
         self._span_ctx = None
         self._started = False
         self.version = 0
-        # the discrete-event core: one heap of (virtual time, order, callback, argument) for every
+        # the discrete-event core: one heap of (virtual time, order, replica (`_wake`) or returning task
+        # (`_env_return`)) for every
         # replica event and environment return, driven by one loop timer (`_drive`)
         self._heap: list = []
         self._order = 0
@@ -578,12 +583,12 @@ class SimBackend:
         for r in self.replicas.values():  # measured costs: a span is one event (`_walk`)
             if not r.busy or r.wake_at <= now:
                 continue
-            start, prefill, first, step = r.w_last
-            K = r.w_step - first
-            start = now + (start - now) * f  # then start + prefill + k * step = now + (old - now) * f
-            r.w_last = (start, prefill * f, first, step * f)
+            prefill, step = r.w_prefill, r.w_step_s
+            K = r.w_step - r.w_first
+            start = now + (r.w_start - now) * f  # then start + prefill + k * step = now + (old - now) * f
+            r.w_start, r.w_prefill, r.w_step_s = start, prefill * f, step * f
             end = start + (prefill + K * step) * f
-            r.w_dur = end - r.span[0]
+            r.w_dur = end - r.span_start
             r.wake_at = _INF
             self._schedule(r, end)
 
@@ -845,7 +850,7 @@ class SimBackend:
             r.alive = False  # its event on the heap is skipped
             if r.busy:  # the events of its span that ended count; the one in flight is cut short (lost)
                 end = self._walk(r, self.loop._now)
-                r.steps = r.w_last[2]
+                r.steps = r.w_first
                 self._events += r.w_chunks - 1
                 self._busy_end(r, r.w_dur - (end - r.w_prev))
             for s in list(r.running):
@@ -854,7 +859,7 @@ class SimBackend:
             now = self.loop._now
             self._arrived(r, now)  # returned: in the queue
             for at, order, s in r.arrivals:  # still in their environment: placed when they return
-                heapq.heappush(self._heap, (at, order, self._env_return, s))
+                heapq.heappush(self._heap, (at, order, s))
                 if not self._driving:
                     self._arm(at)
             r.arrivals = []
@@ -883,6 +888,7 @@ class SimBackend:
 
     def _pick(self) -> _Replica:
         """The alive replica with the fewest live tasks (lowest id on ties), from a lazy heap."""
+        r: _Replica
         while self._load_heap:
             live, rid, r = self._load_heap[0]
             if not r.alive or live != r.live:
@@ -954,6 +960,7 @@ class SimBackend:
 
     def _evict_cache(self, r: _Replica, need, keep: _Seq | None) -> None:
         """LRU: drops cached KV until `need` pages are free (never `keep`'s own entry)."""
+        s: _Seq
         for s in list(r.cache):
             if self._free(r) >= need:
                 return
@@ -993,6 +1000,7 @@ class SimBackend:
     def _admit(self, r: _Replica) -> float:
         """Starts the turns of the queue's sequences that fit now (FIFO, no overtaking); returns the seconds
         of their prefill."""
+        s: _Seq
         ctb_mode = self._ctb
         budget = r.capacity * self.ps
         while r.pending:  # CTB task-level admission on the footprint estimate (first come, first served)
@@ -1146,10 +1154,10 @@ class SimBackend:
             r.steps = last = r.w_step
             ends = r.ends
             if ends and ends[0][0] <= last:  # turns of the span's last event (none end before it)
-                start, prefill, first, step = r.w_last
-                start += prefill
+                start, first, step = r.w_start + r.w_prefill, r.w_first, r.w_step_s
                 pop = heapq.heappop
                 at_end = self._engine_steps  # the engine's call returns them all at once
+                s: _Seq
                 while ends and ends[0][0] <= last:
                     end, _, s = pop(ends)
                     self._retire(r, s)
@@ -1184,7 +1192,8 @@ class SimBackend:
         steps = r.steps
         if r.vlog[-1][1] != r.version:
             r.vlog.append((steps, r.version))
-        r.span = (now, prefill, steps, B, r.ctx_base, r.maxend, r.ends[0][0])
+        r.span_start, r.span_prefill, r.span_steps, r.span_batch = now, prefill, steps, B
+        r.span_ctx_base, r.span_maxend, r.span_first_end = r.ctx_base, r.maxend, r.ends[0][0]
         if r.retry:
             r.retry = False
             end = self._walk(r, now)
@@ -1200,10 +1209,11 @@ class SimBackend:
         self._load_queued += (len(r.queue) + len(r.pending)) * span
         r.wake_at = end  # (`_drive` runs this: no loop timer to arm)
         self._order += 1
-        heapq.heappush(self._heap, (end, self._order, self._wake, r))
+        heapq.heappush(self._heap, (end, self._order, r))
 
     def _arrived(self, r: _Replica, now: float) -> None:
         """What arrived at `r` by `now` joins its queue (CTB: a task not admitted yet, task admission's)."""
+        s: _Seq
         arrivals, pending, queue, ctb_mode = r.arrivals, r.pending, r.queue, self._ctb
         pop = heapq.heappop
         while arrivals and arrivals[0][0] <= now:
@@ -1211,7 +1221,7 @@ class SimBackend:
             (pending if ctb_mode and not s.admitted else queue).append(s)
 
     def _walk(self, r: _Replica, until: float) -> float:
-        """Times the events of `r`'s span (`r.span`) up to the first that ends after `until` or ends a
+        """Times the events of `r`'s span (`r.span_*`) up to the first that ends after `until` or ends a
         turn (with measured costs: the first, whose time `_rescale_rollout` may change); sets `r.w_*`
         and returns when that event ends. Event by event (K = min(decode_chunk, the longest turn's steps
         left), B running sequences whose `context` tokens grow by B per step):
@@ -1219,7 +1229,8 @@ class SimBackend:
             seconds = prefill (the span's first event) + K * decode_step_time(B, context + B * (K - 1) / 2)
 
         accumulated in the order, and so to the last bit, of timing each event on its own heap entry."""
-        start, prefill, steps, B, ctx_base, maxend, first_end = r.span
+        start, prefill, steps, B = r.span_start, r.span_prefill, r.span_steps, r.span_batch
+        ctx_base, maxend, first_end = r.span_ctx_base, r.span_maxend, r.span_first_end
         chunk = self._chunk
         t = start
         dur = 0.0
@@ -1268,7 +1279,8 @@ class SimBackend:
             t += d
             dur, n, first = d, 1, steps
             steps += K
-        r.w_step, r.w_last, r.w_prev, r.w_chunks, r.w_dur = steps, (prev, prefill, first, step), prev, n, dur
+        r.w_step, r.w_prev, r.w_chunks, r.w_dur = steps, prev, n, dur
+        r.w_start, r.w_prefill, r.w_first, r.w_step_s = prev, prefill, first, step
         return t
 
     def _spec_step(self, B: int, context: float, t_decode: float) -> float:
@@ -1292,7 +1304,7 @@ class SimBackend:
         if at < r.wake_at:
             r.wake_at = at
             self._order += 1
-            heapq.heappush(self._heap, (at, self._order, self._wake, r))
+            heapq.heappush(self._heap, (at, self._order, r))
             if not self._driving:
                 self._arm(at)
 
@@ -1351,8 +1363,11 @@ class SimBackend:
                     if at > limit or ready:
                         break
                     loop._now = now = at
-                entry = pop(heap)
-                entry[2](entry[3])
+                x = pop(heap)[2]
+                if type(x) is _Replica:
+                    self._wake(x)
+                else:
+                    self._env_return(x)
         finally:
             self._driving = False
         if heap:
@@ -1413,7 +1428,7 @@ class SimBackend:
             for q in self.replicas.values():  # the footprints of tasks awaiting admission changed
                 if q.pending and q.busy:
                     self._cut(q, now)
-        w = s.future
+        w: _Waiter = s.future
         w.left -= 1
         if w.left == 0 and not w.future.done():
             w.future.set_result(None)
