@@ -14,6 +14,7 @@ size, `logdir/timeline_<mode>.png` (what each device lane did over virtual time,
 """
 
 import dataclasses
+import gc
 import json
 import logging as pylogging
 import os
@@ -305,6 +306,9 @@ def main(argv):
         json.dump(out, f, indent=1, default=str)
     print(f"\nwrote {os.path.join(cfg.logdir, 'results.json')}, "
           f"{plot_goodput(rows, os.path.join(cfg.logdir, 'goodput.png'))}")
+    # the runs' objects (millions at 1024 accelerators) go with the process: frozen, the interpreter's
+    # final collection does not walk them
+    gc.freeze()
 
 
 if __name__ == "__main__":

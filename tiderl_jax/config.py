@@ -8,17 +8,17 @@ typed values (`ModelConfig`, a mesh, a rule table). The skeleton is locked by th
 
 from __future__ import annotations
 
-from flax import nnx
 from ml_collections import ConfigDict
 
 from tiderl_jax.model.config import ConfigError, ModelConfig
-from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.hf_io import load_hf_checkpoint
-from tiderl_jax.model.sharding import DEFAULT_RULES, init_sharded, make_mesh, rules_from_config
-from tiderl_jax.model.tokenizer import Tokenizer
+
+# The model code (JAX, Flax) is imported where it is used, so that entry points without a model
+# (launch/simulate.py) start without it.
 
 
 def base_config() -> ConfigDict:
+    from tiderl_jax.model.sharding import DEFAULT_RULES
+
     c = ConfigDict()
     c.seed = 0
     # CPU only: how many devices to fake on the host platform (0: leave JAX's default). Applied
@@ -47,6 +47,8 @@ def model_config(c: ConfigDict) -> ModelConfig:
 
 
 def sharding_rules(c: ConfigDict):
+    from tiderl_jax.model.sharding import rules_from_config
+
     return rules_from_config(c.sharding_rules)
 
 
@@ -115,6 +117,13 @@ def apply_platform_settings(c: ConfigDict) -> None:
 
 def build(cfg):
     """(mesh, rules, tokenizer, model) from a config; raises ConfigError on bad input."""
+    from flax import nnx
+
+    from tiderl_jax.model.decoder import Decoder
+    from tiderl_jax.model.hf_io import load_hf_checkpoint
+    from tiderl_jax.model.sharding import init_sharded, make_mesh
+    from tiderl_jax.model.tokenizer import Tokenizer
+
     rules = sharding_rules(cfg)
     mesh = make_mesh(cfg.mesh)
     tokenizer = (Tokenizer.from_file(cfg.tokenizer.path, eos_token=cfg.tokenizer.eos_token)

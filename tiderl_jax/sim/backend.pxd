@@ -9,13 +9,14 @@ cdef class _Waiter:
     cdef public long left
 
 cdef class _Seq:
-    cdef public long gid, sample, turn, left, ctx, written, kv_pages, footprint, tokens_added, new_tokens, cached
+    cdef public long gid, sample, prompt, turn, left, ctx, written, kv_pages, footprint, tokens_added, new_tokens
     cdef public long start, end, ctx0, run
+    cdef public tuple gen, obs, latency
     cdef public object shape, future
     cdef public dict versions
     cdef public _Replica replica
     cdef public bint pinned, admitted
-    cdef public double wait_started, finish_at
+    cdef public double wait_started
 
 cdef class _Replica:
     cdef public long rid, capacity, version, steps, maxend, ctx_base, used, cache_pages, footprints, live, events
@@ -31,7 +32,7 @@ cdef class _Replica:
 cdef class SimBackend:
     cdef dict __dict__
     cdef public long ps, _chunk, _order, _admissions, _events, _decode_tokens, _load_steps, _busy_replicas
-    cdef public long _finishes, _host_jobs, _rollout_devices, _replica_devices, _train_extra, _rid
+    cdef public long _max_batch, _finished_window, _shared_prefix, _finishes, _host_jobs, _rollout_devices, _replica_devices, _train_extra, _rid
     cdef public double _load_busy, _load_prefill, _load_running, _load_queued, _span_busy, _armed_at
     cdef public double _call_overhead, _program_s, _flops_rate, _prefill_rate, _bytes_rate, _attn_per_pair
     cdef public double _decode_flops, _param_bytes, _matmul_params, _kv_bytes, _mean_latency

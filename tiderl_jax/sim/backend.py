@@ -244,12 +244,15 @@ class _Waiter:
 
 class _Seq:
     """One task (a GRPO sample) on the rollout side."""
-    __slots__ = ("gid", "sample", "shape", "turn", "left", "ctx", "written", "versions", "replica", "future",
-                 "pinned", "kv_pages", "footprint", "tokens_added", "wait_started", "new_tokens", "cached",
-                 "finish_at", "admitted", "start", "end", "ctx0", "run")
+    __slots__ = ("gid", "sample", "shape", "gen", "obs", "latency", "prompt", "turn", "left", "ctx", "written",
+                 "versions", "replica", "future", "pinned", "kv_pages", "footprint", "tokens_added", "wait_started",
+                 "new_tokens", "admitted", "start", "end", "ctx0", "run")
 
     def __init__(self, gid: int, sample: int, shape: workloads.TaskSample, future: _Waiter | None):
         self.gid, self.sample, self.shape, self.future = gid, sample, shape, future
+        # the shape's fields the event core reads at every turn
+        self.gen, self.obs, self.latency, self.prompt = (shape.gen_tokens, shape.obs_tokens, shape.env_latency_s,
+                                                         shape.prompt_tokens)
         self.turn = 0
         self.left = shape.gen_tokens[0]  # tokens still to write this turn
         self.ctx = shape.prompt_tokens  # tokens of context (prompt + written + observations)
@@ -262,8 +265,6 @@ class _Seq:
         self.tokens_added = 0
         self.wait_started = 0.0
         self.new_tokens = 0  # prefill work of its next event
-        self.cached = 0
-        self.finish_at = 0.0
         self.admitted = False  # CTB task admission done
         # while running (lazy: `left`, `ctx`, `written`, `versions` are brought up to date when the
         # turn ends or the replica goes away): the replica's decode-step count when it started this
@@ -396,6 +397,8 @@ class SimBackend:
         self._load_steps = 0
         self._load_busy = self._load_prefill = self._load_running = self._load_queued = 0.0
         self._chunk = config.decode_chunk
+        self._max_batch, self._finished_window = config.max_batch, config.finished_window
+        self._shared_prefix = config.shared_prefix_tokens
         self._decode_flops = 2.0 * self._matmul_params
         self._finished: collections.deque[int] = collections.deque(maxlen=config.finished_window)
         self._window: tuple[int, ...] = ()  # `_finished` at the last refresh: what the estimate reads
@@ -922,7 +925,7 @@ class SimBackend:
     def _enqueue(self, r: _Replica, seq: _Seq) -> None:
         """`seq` joins `r`'s queue now: at the end of the event in flight, or at this instant once the loop
         is quiet if `r` is idle (all enqueues of the instant made before then join its first event)."""
-        now = self.loop._now
+        now: float = self.loop._now
         self._order += 1
         heapq.heappush(r.arrivals, (now, self._order, seq))
         if r.busy:
@@ -1013,7 +1016,7 @@ class SimBackend:
             r.footprints += f
             r.queue.append(s)
         ps = self.ps
-        queue, running, max_batch = r.queue, r.running, self.cfg.max_batch
+        queue, running, max_batch = r.queue, r.running, self._max_batch
         prompt_tokens = cached_tokens = prefill_tokens = 0
         pairs = 0.0
         chunk_buckets = self._chunk_buckets
@@ -1053,14 +1056,14 @@ class SimBackend:
                     if self._engine_steps:  # blocks computed in an earlier event only (`SimConfig.engine_steps`)
                         event = r.events
                         if p is not None and p[0] == r.version and p[1] > 0 and p[2] < event:
-                            cached = max(cached, (s.shape.prompt_tokens - 1) // ps * ps)
+                            cached = max(cached, (s.prompt - 1) // ps * ps)
                         elif r.prefix_at[0] == r.version and r.prefix_at[1] < event:
-                            cached = max(cached, min(self.cfg.shared_prefix_tokens, s.shape.prompt_tokens - 1)
+                            cached = max(cached, min(self._shared_prefix, s.prompt - 1)
                                          // ps * ps)
                         if r.prefix_at[0] != r.version:
                             r.prefix_at = (r.version, event)
                     elif p is not None and p[0] == r.version and p[1] > 0:
-                        cached = max(cached, (s.shape.prompt_tokens - 1) // self.ps * self.ps)
+                        cached = max(cached, (s.prompt - 1) // ps * ps)
                     if p is None or p[0] != r.version:
                         r.prompts[s.gid] = p = [r.version, 0, r.events]
                     p[1] += 1
@@ -1135,7 +1138,7 @@ class SimBackend:
         end (their turns end, each at its own step), then what fits is admitted and the next span starts:
         the new sequences' prefill and K decode steps of all, event after event until one ends a turn or
         something arrives (`_walk`); idle without running sequences."""
-        now = self.loop._now
+        now: float = self.loop._now
         if now != r.wake_at or not r.alive:  # stale: re-timed (`_cut`, `_rescale_rollout`) or moved away
             return
         r.wake_at = _INF
@@ -1194,6 +1197,7 @@ class SimBackend:
             r.vlog.append((steps, r.version))
         r.span_start, r.span_prefill, r.span_steps, r.span_batch = now, prefill, steps, B
         r.span_ctx_base, r.span_maxend, r.span_first_end = r.ctx_base, r.maxend, r.ends[0][0]
+        end: float
         if r.retry:
             r.retry = False
             end = self._walk(r, now)
@@ -1353,12 +1357,12 @@ class SimBackend:
         pop = heapq.heappop
         ready = loop._ready  # asyncio's ready queue: non-empty once a finished sample wakes a task
         # the next loop timer: heap events never schedule loop timers, so it holds while driving
-        limit = loop.quiet_until()
-        now = loop._now
+        limit: float = loop.quiet_until()
+        now: float = loop._now
         self._driving = True
         try:
             while heap:
-                at = heap[0][0]
+                at: float = heap[0][0]
                 if at > now:
                     if at > limit or ready:
                         break
@@ -1374,15 +1378,14 @@ class SimBackend:
             self._arm(heap[0][0])
 
     def _turn_end(self, r: _Replica, s: _Seq, at: float) -> None:
-        shape = s.shape
         turn = s.turn
-        if turn + 1 >= len(shape.gen_tokens) or turn >= len(shape.obs_tokens):  # the task ends
+        if turn + 1 >= len(s.gen) or turn >= len(s.obs):  # the task ends
             self._finish(r, s)
             return
-        obs = shape.obs_tokens[turn]
-        latency = shape.env_latency_s[turn]
+        obs = s.obs[turn]
+        latency = s.latency[turn]
         s.turn = turn + 1
-        s.left = shape.gen_tokens[turn + 1]
+        s.left = s.gen[turn + 1]
         if self._ctb:  # KV kept and pinned; the reservation shrinks to the context
             keep = -(-s.ctx // self.ps)
             r.used -= s.kv_pages - keep
@@ -1397,14 +1400,14 @@ class SimBackend:
             s.kv_pages = 0
         s.ctx += obs
         s.new_tokens = obs  # a pinned resume prefills only the observation
-        s.tokens_added = s.ctx - shape.prompt_tokens
+        s.tokens_added = s.ctx - s.prompt
         if s.admitted:
             f = self._footprint(s)
             r.footprints += f - s.footprint
             s.footprint = f
         s.wait_started = at
         at += latency
-        now = self.loop._now
+        now: float = self.loop._now
         self._order += 1
         heapq.heappush(r.arrivals, (at if at > now else now, self._order, s))  # `_wake` schedules its wake
 
@@ -1419,12 +1422,12 @@ class SimBackend:
             if p[1] <= 0:
                 del r.prompts[s.gid]
         self._set_live(r, -1)
-        self._finished.append(len(s.shape.gen_tokens))
+        self._finished.append(len(s.gen))
         self._finishes += 1
-        if self._finishes % self.cfg.finished_window == 0 or self._finishes < self.cfg.finished_window:
+        if self._finishes % self._finished_window == 0 or self._finishes < self._finished_window:
             self._remaining_turns.clear()
             self._window = tuple(self._finished)
-            now = self.loop._now
+            now: float = self.loop._now
             for q in self.replicas.values():  # the footprints of tasks awaiting admission changed
                 if q.pending and q.busy:
                     self._cut(q, now)
@@ -1492,20 +1495,25 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return buckets[-1]
 
 
+def _integers(x: np.ndarray) -> np.ndarray:
+    """`x` rounded to integers (already so if the distribution rounds them)."""
+    return x if x.dtype.kind == "i" else np.rint(x).astype(np.int64)
+
+
 def sample_tasks(w: workloads.Workload, rng: np.random.Generator, n: int) -> list[workloads.TaskSample]:
     """`n` task shapes by `workloads.sample_task`'s rule (same distributions, clipping and `max_context`
     truncation), each distribution drawn once for all `n` tasks (a different random stream than `n`
     calls of `sample_task`, ~10x cheaper)."""
-    prompts = np.minimum(np.maximum(1, np.rint(w.prompt_tokens.sample(rng, n))), w.max_context - 1).astype(int).tolist()
-    turns = np.minimum(np.maximum(1, np.rint(w.turns.sample(rng, n))), w.max_turns).astype(int).tolist()
-    gen = np.maximum(1, np.rint(w.tokens_per_turn.sample(rng, (n, w.max_turns)))).astype(int).tolist()
-    obs = np.maximum(0, np.rint(w.observation_tokens.sample(rng, (n, w.max_turns)))).astype(int).tolist()
+    prompts = np.minimum(np.maximum(_integers(w.prompt_tokens.sample(rng, n)), 1), w.max_context - 1).tolist()
+    turns = np.minimum(np.maximum(_integers(w.turns.sample(rng, n)), 1), w.max_turns).tolist()
+    gen = np.maximum(_integers(w.tokens_per_turn.sample(rng, (n, w.max_turns))), 1).tolist()
+    obs = np.maximum(_integers(w.observation_tokens.sample(rng, (n, w.max_turns))), 0).tolist()
     lat = np.asarray(w.env_latency_s.sample(rng, (n, w.max_turns)), float).tolist()
     out = []
     for i in range(n):
-        prompt = int(prompts[i])
+        prompt = prompts[i]
         context, g, o, la, truncated = prompt, [], [], [], False
-        for turn in range(int(turns[i])):
+        for turn in range(turns[i]):
             tokens = gen[i][turn]
             if context + tokens >= w.max_context:
                 g.append(w.max_context - context)
