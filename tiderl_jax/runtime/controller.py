@@ -377,9 +377,12 @@ class Controller:
     def _drop_stale(self, group: _Group) -> int:
         """Drops the group's samples whose oldest token is more than eta versions behind now;
         returns how many."""
-        eta = self.cfg.staleness.eta
-        fresh = [t for t in group.trajectories
-                 if t.oldest_version() < 0 or staleness.is_fresh(t.oldest_version(), self.version, eta)]
+        eta, version = self.cfg.staleness.eta, self.version
+        fresh = []
+        for t in group.trajectories:
+            oldest = t.oldest_version()
+            if oldest < 0 or staleness.is_fresh(oldest, version, eta):
+                fresh.append(t)
         dropped = len(group.trajectories) - len(fresh)
         self.ledger["dropped:stale"] += dropped
         group.trajectories = fresh

@@ -31,8 +31,10 @@ cdef class _Replica:
 
 cdef class SimBackend:
     cdef dict __dict__
-    cdef public long ps, _chunk, _order, _admissions, _events, _decode_tokens, _load_steps, _busy_replicas
-    cdef public long _max_batch, _finished_window, _shared_prefix, _finishes, _host_jobs, _rollout_devices, _replica_devices, _train_extra, _rid
+    cdef public long ps, _chunk, _order, _admissions, _events, _decode_tokens, _prompt_tokens, _prompt_tokens_cached
+    cdef public long _prefill_tokens, _load_steps, _busy_replicas
+    cdef public long _max_batch, _finished_window, _shared_prefix, _finishes, _host_jobs, _rollout_devices
+    cdef public long _replica_devices, _train_extra, _rid
     cdef public double _load_busy, _load_prefill, _load_running, _load_queued, _span_busy, _armed_at
     cdef public double _call_overhead, _program_s, _flops_rate, _prefill_rate, _bytes_rate, _attn_per_pair
     cdef public double _decode_flops, _param_bytes, _matmul_params, _kv_bytes, _mean_latency

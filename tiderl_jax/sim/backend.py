@@ -392,7 +392,8 @@ class SimBackend:
         self._load_heap: list[tuple[int, int, _Replica]] = []  # lazy heap (live, rid, replica)
         self.counters = dict(prompt_tokens=0, prompt_tokens_cached=0, prefill_tokens=0, decode_tokens=0,
                              events=0, ctb_evictions=0, cache_evictions=0, moved_tasks=0)
-        self._events = self._decode_tokens = 0  # counted apart (every event), merged into `counters` by stats()
+        # counted apart (at every event), merged into `counters` by stats()
+        self._events = self._decode_tokens = self._prompt_tokens = self._prompt_tokens_cached = self._prefill_tokens = 0
         # the replicas' load since the last `rollout_scaling`: decode steps, busy and prefill seconds of their
         # spans, and task-seconds running / queued behind a full replica (what admission left waiting)
         self._load_mark = (0, 0, 0.0, 0.0, 0.0, 0.0)  # (steps, tokens, busy, prefill, running, queued) at the last call
@@ -554,7 +555,7 @@ class SimBackend:
         return entry[0][i * group_size:(i + 1) * group_size]
 
     def kv_hit_rate(self) -> float:
-        return self.counters["prompt_tokens_cached"] / max(1, self.counters["prompt_tokens"])
+        return self._prompt_tokens_cached / max(1, self._prompt_tokens)
 
     async def score_ref(self, trajectories: Sequence[Trajectory]) -> tuple[list, bool]:
         tokens, seq_len = _tokens(trajectories)
@@ -853,7 +854,8 @@ class SimBackend:
         del params, version
 
     def stats(self) -> dict:
-        self.counters.update(events=self._events, decode_tokens=self._decode_tokens)
+        self.counters.update(events=self._events, decode_tokens=self._decode_tokens, prompt_tokens=self._prompt_tokens,
+                             prompt_tokens_cached=self._prompt_tokens_cached, prefill_tokens=self._prefill_tokens)
         return dict(self.counters, replicas=len(self.replicas), kv_pages_per_replica=self.capacity,
                     kv_hit_rate=self.kv_hit_rate())
 
@@ -1114,10 +1116,9 @@ class SimBackend:
         r.events += 1
         if not prompt_tokens:
             return 0.0
-        c = self.counters
-        c["prompt_tokens"] += prompt_tokens
-        c["prompt_tokens_cached"] += cached_tokens
-        c["prefill_tokens"] += prefill_tokens
+        self._prompt_tokens += prompt_tokens
+        self._prompt_tokens_cached += cached_tokens
+        self._prefill_tokens += prefill_tokens
         seconds = self._prefill_time(prefill_tokens, cached_tokens, pairs, len(calls) or 1)
         if self._program_s:  # programs this engine has not run yet (SimConfig.max_seq_len)
             for width, (rows, pages) in calls.items():
