@@ -106,6 +106,20 @@ def test_sample_tasks_follows_sample_task_rule():
     assert mean([len(s.gen_tokens) for s in shapes]) == pytest.approx(mean([len(s.gen_tokens) for s in one]), rel=0.2)
 
 
+def test_sample_tasks_truncates_at_max_context_like_sample_task():
+    # a short context: about half the tasks reach it (the per-turn rule), the rest take the whole-task check
+    import dataclasses
+    w = dataclasses.replace(workloads.workload("tiderl-text-7b"), max_context=3000)
+    shapes = sim_backend.sample_tasks(w, np.random.default_rng(1), 400)
+    cut = [s for s in shapes if s.truncated]
+    assert 50 < len(cut) < 350
+    for s in shapes:
+        assert len(s.obs_tokens) == len(s.env_latency_s) == len(s.gen_tokens) - 1
+        assert s.context_tokens <= w.max_context and min(s.gen_tokens) >= 1
+        if not s.truncated:
+            assert s.context_tokens < w.max_context
+
+
 def test_decode_step_matches_costs():
     b = sim_backend.SimBackend(SimConfig(tp=2), mode="async", pool=None, num_devices=4)
     expect = costs.decode_step_time(b.shape, b.hw, 12, 30000, devices=2)

@@ -1524,35 +1524,44 @@ def _integers(x: np.ndarray) -> np.ndarray:
 
 def sample_tasks(w: workloads.Workload, rng: np.random.Generator, n: int) -> list[workloads.TaskSample]:
     """`n` task shapes by `workloads.sample_task`'s rule (same distributions, clipping and `max_context`
-    truncation), each distribution drawn once for all `n` tasks (a different random stream than `n`
-    calls of `sample_task`, ~10x cheaper)."""
-    prompts = np.minimum(np.maximum(_integers(w.prompt_tokens.sample(rng, n)), 1), w.max_context - 1).tolist()
+    truncation), each distribution drawn once for all `n` tasks, as many turns as each task takes (a
+    different random stream than `n` calls of `sample_task`, ~10x cheaper)."""
+    max_context = w.max_context
+    prompts = np.minimum(np.maximum(_integers(w.prompt_tokens.sample(rng, n)), 1), max_context - 1).tolist()
     turns = np.minimum(np.maximum(_integers(w.turns.sample(rng, n)), 1), w.max_turns).tolist()
-    gen = np.maximum(_integers(w.tokens_per_turn.sample(rng, (n, w.max_turns))), 1).tolist()
-    obs = np.maximum(_integers(w.observation_tokens.sample(rng, (n, w.max_turns))), 0).tolist()
-    lat = np.asarray(w.env_latency_s.sample(rng, (n, w.max_turns)), float).tolist()
+    total = sum(turns)  # task i's turns are [first_i, first_i + turns_i) of these draws
+    gen = np.maximum(_integers(w.tokens_per_turn.sample(rng, total)), 1).tolist()
+    obs = np.maximum(_integers(w.observation_tokens.sample(rng, total)), 0).tolist()
+    lat = np.asarray(w.env_latency_s.sample(rng, total), float).tolist()
     out = []
+    first = 0
     for i in range(n):
-        prompt = prompts[i]
+        prompt, T = prompts[i], turns[i]
+        g, o = gen[first:first + T], obs[first:first + T - 1]
+        if prompt + sum(g) + sum(o) < max_context:  # the context never reaches max_context: no truncation
+            out.append(workloads.TaskSample(prompt, tuple(g), tuple(o), tuple(lat[first:first + T - 1]), False))
+            first += T
+            continue
         context, g, o, la, truncated = prompt, [], [], [], False
-        for turn in range(turns[i]):
-            tokens = gen[i][turn]
-            if context + tokens >= w.max_context:
-                g.append(w.max_context - context)
+        for turn in range(first, first + T):
+            tokens = gen[turn]
+            if context + tokens >= max_context:
+                g.append(max_context - context)
                 truncated = True
                 break
             g.append(tokens)
             context += tokens
-            if turn == turns[i] - 1:
+            if turn == first + T - 1:
                 break
-            observation = obs[i][turn]
-            if context + observation >= w.max_context:
+            observation = obs[turn]
+            if context + observation >= max_context:
                 truncated = True
                 break
             o.append(observation)
-            la.append(lat[i][turn])
+            la.append(lat[turn])
             context += observation
         out.append(workloads.TaskSample(prompt, tuple(g), tuple(o), tuple(la), truncated))
+        first += T
     return out
 
 
