@@ -97,3 +97,12 @@ def test_speculation_only_at_small_batches_and_when_it_pays_per_token():
     assert not use_speculation(0, 0.030, 2.5, 0.020).use
     with pytest.raises(ValueError, match="accepted_tokens=0"):
         use_speculation(8, 0.030, 0, 0.020)
+
+
+def test_speculation_pays_is_use_speculations_rule():
+    for batch in (0, 1, 8, 16, 17, 64):
+        for t_spec in (0.001, 0.02, 0.05, 0.5):
+            for accepted in (1.0, 2.5):
+                d = war.use_speculation(batch, t_spec, accepted, 0.02)
+                assert war.speculation_pays(batch, t_spec, accepted, 0.02) == d.use
+                assert d.reason  # explained when read

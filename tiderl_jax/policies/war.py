@@ -181,7 +181,18 @@ class SpecDecision:
     use: bool
     spec_s_per_token: float  # T_spec(B) / accepted_tokens(B)
     decode_s_per_token: float  # T_decode(B)
-    reason: str
+    effective_batch: int
+    spec_max_batch: int
+
+    @property
+    def reason(self) -> str:
+        """Why (made when read: the simulator decides at every replica event)."""
+        if self.effective_batch == 0:
+            return "no sequence to decode"
+        if self.effective_batch > self.spec_max_batch:
+            return f"batch {self.effective_batch} > {self.spec_max_batch}"
+        relation = "<" if self.use else ">="
+        return f"{self.spec_s_per_token:.4g}s {relation} {self.decode_s_per_token:.4g}s per token"
 
 
 def use_speculation(effective_batch: int, t_spec_s: float, accepted_tokens: float, t_decode_s: float,
@@ -192,11 +203,12 @@ def use_speculation(effective_batch: int, t_spec_s: float, accepted_tokens: floa
     for name, v in (("t_spec_s", t_spec_s), ("t_decode_s", t_decode_s), ("accepted_tokens", accepted_tokens)):
         if not v > 0:
             raise ValueError(f"use_speculation: {name}={v} must be > 0")
-    per_token = t_spec_s / accepted_tokens
-    if effective_batch == 0:
-        return SpecDecision(False, per_token, t_decode_s, "no sequence to decode")
-    if effective_batch > spec_max_batch:
-        return SpecDecision(False, per_token, t_decode_s, f"batch {effective_batch} > {spec_max_batch}")
-    if per_token < t_decode_s:
-        return SpecDecision(True, per_token, t_decode_s, f"{per_token:.4g}s < {t_decode_s:.4g}s per token")
-    return SpecDecision(False, per_token, t_decode_s, f"{per_token:.4g}s >= {t_decode_s:.4g}s per token")
+    use = speculation_pays(effective_batch, t_spec_s, accepted_tokens, t_decode_s, spec_max_batch)
+    return SpecDecision(use, t_spec_s / accepted_tokens, t_decode_s, effective_batch, spec_max_batch)
+
+
+def speculation_pays(effective_batch: int, t_spec_s: float, accepted_tokens: float, t_decode_s: float,
+                     spec_max_batch: int = SPEC_MAX_BATCH) -> bool:
+    """`use_speculation`'s rule without its checks and explanation, for a caller that decides at every
+    decode event on inputs it made itself (the simulator's replicas)."""
+    return 0 < effective_batch <= spec_max_batch and t_spec_s / accepted_tokens < t_decode_s

@@ -1310,14 +1310,15 @@ class SimBackend:
         return t
 
     def _spec_step(self, B: int, context: float, t_decode: float) -> float:
-        """WAR's switch (`war.use_speculation`) for one event: a verify step scores `spec_draft_tokens` + 1
-        tokens of each of the B sequences over the same context (roofline) and emits
+        """WAR's switch (`war.speculation_pays`, `use_speculation`'s rule) for one event: a verify step scores
+        `spec_draft_tokens` + 1 tokens of each of the B sequences over the same context (roofline) and emits
         `spec_accepted_tokens` of them; returns the seconds per emitted token, with or without it."""
-        n = B * (self.cfg.spec_draft_tokens + 1)
-        flops = self._decode_flops * n + self._attn_per_pair * context * (self.cfg.spec_draft_tokens + 1)
+        cfg = self.cfg
+        n = B * (cfg.spec_draft_tokens + 1)
+        flops = self._decode_flops * n + self._attn_per_pair * context * (cfg.spec_draft_tokens + 1)
         t_spec = max(flops / self._flops_rate, (self._param_bytes + self._kv_bytes * (context + n)) / self._bytes_rate)
-        decision = war.use_speculation(B, t_spec, self.cfg.spec_accepted_tokens, t_decode)
-        return decision.spec_s_per_token if decision.use else t_decode
+        accepted = cfg.spec_accepted_tokens
+        return t_spec / accepted if war.speculation_pays(B, t_spec, accepted, t_decode) else t_decode
 
     def _cut(self, r: _Replica, at: float) -> None:
         """The span in flight on `r` ends with its first event that ends after `at` (something arrived,
