@@ -103,7 +103,11 @@ the prefix cache only for blocks computed by an earlier call (a GRPO group's sam
 all compute it; `shared_prefix_tokens`: the system prompt every task shares); every call pays the rollout
 loop's measured host time (`MeasuredCosts.call_overhead_s`), and a call whose shape bucket the process
 has not run yet loads its program (`MeasuredCosts.program_s`, `max_seq_len`; `programs`: what the
-simulated process has run, shared by the backends of one process).
+simulated process has run, shared by the backends of one process). The trainer and the ref scorer load
+their programs (`score_program_s`, `update_program_s`, `ref_program_s`) at their first batch of each
+packed micro-batch count, per backend (each real run builds its own) and again after a move of their
+devices; `compile_s` counts those calls as the real backend does, and with them simulated it is ERS's
+move-cost estimate before any move (as for the real controller, whose backend gives none).
 
 Busy time (MECHANISMS.md §9 waiting): with `attach(metrics)`, each replica event adds
 `seconds * tp` busy device-seconds to the rollout lane (replicas idle while others work count as
