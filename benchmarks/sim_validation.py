@@ -28,11 +28,17 @@ the fastest kept, since other processes on this shared machine only add time and
   it): `program_s` = its compile seconds per program (loads from the persistent compile cache), then
   warm passes: the real samples (prompt, model tokens per turn, observation tokens, tool calls per
   turn) and the wall time; `call_overhead_s` = the time per engine call that makes the simulated
-  loop on the same samples take the measured wall time (`fit_call_overhead`), per configuration.
+  loop on the same samples take the measured wall time (`fit_call_overhead`), per configuration. Then
+  `--draws` - 1 more passes with other sampling seeds (`RolloutConfig.seed`): more draws of the policy's
+  samples, as each of the real runs' updates samples its groups under its own policy version.
 - *training* (`score_*`, `update_*`): `Trainer.rl_step` with goodput.py's trainer config on a batch of
   4 groups x 4 demonstration trajectories, on a mesh of the layout's train devices (8 / 4 / 2); its own
   timers give the proximal pass, the reference pass (colocated, the same program) and the update, per
   packed micro-batch (`costs.packed_micro_batches`: the trainer computes whole padded micro-batches).
+- *the trainer's programs* (`score_program_s`, `update_program_s`, `ref_program_s`): after `jax.clear_caches()`,
+  new Trainers (Scorers) on each train mesh: the fastest first `rl_step` (`score_trajectories`) minus the
+  fastest warm one, per part (`_Lab.programs`): what a mode's new trainer, or a batch of a new micro-batch
+  count, pays to load its programs from the persistent compile cache, as `program_s` for the engine.
 - *reference on its own devices* (`ref_*`, tiderl): `Scorer.score_trajectories` on 2 devices, one group,
   per micro-batch.
 - *weight sync* (`sync_s`): `Engine.update_params` with the trainer's parameters placed on the engine's
@@ -46,7 +52,8 @@ the fastest kept, since other processes on this shared machine only add time and
 - *workload*: the samples of the rollout-loop measurement, replayed per group (the controller's g-th
   task), each tool call waiting the latency the real environment draws for it (`task_latencies`: seeded
   by the task id, the same for every sample of a group; log-normal median 0.3 s, sigma 1.0, capped at
-  5 s, goodput.py's flags; `limit`: none); without the warm start (or `--demonstrations`), the tasks'
+  5 s, goodput.py's flags; `limit`: none), simulation seed s replaying draw s mod `--draws` in every mode of
+  its simulated process; without the warm start (or `--demonstrations`), the tasks'
   demonstrations with latencies drawn per call. Layouts, batch, steps, skipped steps, staleness,
   concurrency: goodput.py's; each seed simulates the four modes in goodput.py's order in one simulated
   process, so programs compiled by an earlier mode on the same devices are found in memory.
@@ -58,30 +65,41 @@ the fastest kept, since other processes on this shared machine only add time and
 **What the simulator cannot represent here** (so a ratio may differ for these reasons):
 - Core sharing is processor sharing at the measured factors; the rollout loop's host time is one
   number per engine call and configuration (measured alone, not while training runs).
-- The replayed samples are the warm-start policy's; the real runs' policy changes over its 8 updates
-  (their samples after update 4 differ), and trainer programs compiled for new batch shapes are not
-  simulated (async's first run shows them: updates of 3-8 s instead of 2.3 s at updates 3, 5 and 8).
+- The replayed samples are the warm-start policy's (draws of it); the real runs' policy changes over its 8
+  updates. Its samples do not drift in length: the rollout loop alone with the final policies of goodput
+  runs (async run 1, async run 2, sync run 2) gives 115.1 / 117.1 / 111.7 model tokens and 2.73-2.76 turns
+  per sample, against 113.3 and 2.73 for the warm start, and all their batches of 4 groups pack into 2
+  micro-batches, as the warm start's. But which samples a batch holds moves a simulated ratio by several
+  percent (the simulated async / sync over those four sample sets: 1.30, 1.22, 1.15, 1.20), hence the draws.
+- Which batches pack into a new micro-batch count (a new trainer program and twice the work) depends on
+  the draw: measured async run 1 had one at update 5 (an 8.3 s update instead of 2.3 s), run 2 none.
 - JAX dispatch jitter and the other processes on this shared machine (the two measured runs differ by
   up to 27% per mode: async 226 and 262 tok/s).
 
 **Results** (2026-11-30, measured runs /tmp/notes/goodput_run1.json and goodput_run2.json; calibration
-/tmp/notes/sim_validation_s4.json, 295 s on a quiet machine; ratio to sync, simulated vs measured):
+/tmp/notes/sim_validation_s5.json: the raw measurements of sim_validation_s4.json (295 s on a quiet
+machine) with this version's new ones (the trainer's and scorer's programs, 3 more sample draws) from a
+full calibration that ran while another engineer's benchmarks held a core (its timings up to 1.9x slow,
+its fitted per-call host time 24-29 ms against 4-16 ms: unusable as a whole, kept as
+sim_validation_s5_contended.json); ratio to sync, simulated vs measured, 8 seeds over 4 draws:
 
 | mode | measured (updates 3-8) | simulated | error | measured (updates 6-8) | simulated | error |
 |---|---|---|---|---|---|---|
-| async | 1.022 | 1.203 | +17.7% | 1.391 | 1.288 | -7.4% |
-| tiderl | 1.359 | 1.287 | -5.3% | 1.396 | 1.303 | -6.7% |
-| limit | 1.404 | 1.407 | +0.2% | 1.466 | 1.493 | +1.8% |
+| async | 1.022 | 1.211 | +18.5% | 1.391 | 1.220 | -12.3% |
+| tiderl | 1.359 | 1.211 | -10.9% | 1.396 | 1.173 | -16.0% |
+| limit | 1.404 | 1.380 | -1.7% | 1.466 | 1.398 | -4.6% |
 
-The simulated sync update takes 7.58 s (measured 7.65 s). Before the engine's rules, the rollout
-loop's measurement, the attention terms, the replayed samples and latencies and the per-micro-batch
-trainer, the same comparison gave async +65.9%, tiderl +11.9%, limit +31.9%. The measured async of
-updates 3-8 holds a start-up the simulation shows only in part: async is the first mode on the 4-device
-meshes in each goodput.py process, so its engine and trainer load or compile their programs while it
-runs (its updates 3-5 take 8.4 / 8.0 / 6.4 s in run 2 and 10.4 / 9.6 / 13.7 s in run 1, then 4.6-6.2 s,
-the two runs within 4% of each other; run 1's trainer compiled at updates 3, 5 and 8). Against run 2
-alone async is +10.8%. The calibration itself varies by some percent between runs on this shared
-machine (e.g. the residual per engine call of the sync configuration: 13 ms in one run, 4 ms in the next).
+Per draw (updates 3-8): async 1.203 / 1.214 / 1.183 / 1.247, tiderl 1.239 / 1.293 / 1.100 / 1.215, limit
+1.425 / 1.380 / 1.326 / 1.392: the sample draw alone moves a simulated ratio by up to 18%. With draw 0 only
+(the samples of sim_validation_s4): async +17.7%, tiderl -8.9%, limit +1.5% (s4's model: +17.7%, -5.3%,
++0.2%; with the new move-cost estimate but no trainer program loads: tiderl -4.0%, limit -3.6%). No simulated run moves
+a device group (as the real runs). In draw 0 the trainer's program loads fall at update 1 of every mode and
+at tiderl's update 2 (4 micro-batches, as in all four measured tiderl / limit runs): outside the window. No
+draw packs an async batch of updates 3-8 into a new micro-batch count, so async's error stays: its measured
+updates 3-5 are slower than the simulated ones in both runs (run 2: 8.4 / 8.0 / 6.4 s against 7.1 / 5.9 /
+5.9 s; its trainer wait 4.7 / 4.0 / 2.8 s against 3.5 / 2.3 / 2.3 s, with its train steps 0.1-0.3 s
+slower than at updates 6-8); at updates 6-8 the two measured runs agree within 4%. Against run 2 alone async
+is +11.5%, against run 1 +26.5% (its update 5 packed 4 micro-batches: 10.9 s of training instead of 3.5 s).
 
 Output: a table and JSON rows with `mode`, `measured_goodput`, `simulated_goodput` (tokens/s, mean over
 `--seeds` simulation seeds), `measured_ratio` / `simulated_ratio` (goodput / sync goodput) and
@@ -439,6 +457,35 @@ class _Lab:
         med = {k: min(o[k] for o in outs) for k in ("time_proximal_s", "time_ref_s", "time_update_s")}
         return dict(med, tokens=tokens)
 
+    def programs(self, n: int, offset: int, fresh: int = 1) -> dict:
+        """Seconds a new Trainer on the train mesh of n devices (and a new Scorer on n ref devices) spends on
+        its programs at their first call, as each mode of goodput.py builds its own and a new micro-batch
+        count makes new ones (`Trainer._program`): a new one's first `rl_step` (`score_trajectories`) minus a
+        warm one, per part: the proximal score program and the update program (the ref program); the fastest
+        first call of `fresh` new ones minus the fastest warm call. Call after `jax.clear_caches()`: no program
+        in memory, the persistent compile cache as it is (what `program_s` measures for the engine)."""
+        from tiderl_jax.model.sharding import place_copy
+        from tiderl_jax.rl.losses import LossConfig
+        from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
+        from tiderl_jax.runtime.devices import model_on
+
+        cfg = TrainerConfig(loss=LossConfig(), total_steps=1000, **TRAINER)
+        trajs, group = self.batch(), self.batch(1)
+        first, warm = dict(score=[], update=[], ref=[]), dict(score=[], update=[], ref=[])
+        for _ in range(fresh):
+            mesh = self.mesh(n, offset)
+            tr = Trainer(model_on(self.graphdef, self.params, mesh, self.rules), cfg, mesh=mesh, rules=self.rules)
+            tr.ref_params = place_copy(tr.params, self.jax.tree.map(lambda x: x.sharding, tr.params))
+            for i in range(3):  # (the colocated ref pass runs the score program the proximal pass loaded)
+                out = tr.rl_step(trajs)
+                (warm if i else first)["score"].append(out["time_proximal_s"])
+                (warm if i else first)["update"].append(out["time_update_s"])
+            sc = Scorer(model_on(self.graphdef, self.params, mesh, self.rules), cfg, mesh=mesh, rules=self.rules)
+            for i in range(3):
+                (warm if i else first)["ref"].append(_wall(lambda: sc.score_trajectories(group)))
+        # (the fastest first call minus the fastest warm one: other processes only add time)
+        return {k: max(0.0, min(first[k]) - min(warm[k])) for k in first}
+
     def ref_pass(self, n: int, offset: int, reps: int) -> tuple[float, int]:
         from tiderl_jax.rl.losses import LossConfig
         from tiderl_jax.rl.trainer import Scorer, TrainerConfig
@@ -495,7 +542,7 @@ class _Lab:
 
     # -------------------------------------------------------------- the rollout loop alone
 
-    def rollout(self, params, kv_mode: str, groups: int, in_flight: int, devices: int = 4) -> dict:
+    def rollout(self, params, kv_mode: str, groups: int, in_flight: int, devices: int = 4, seed: int = 0) -> dict:
         """The real rollout loop alone: `RolloutRunner` (goodput.py's engine with its prefix cache, its
         rollout config) on a rollout mesh of `devices` with the policy `params`, no environment latency,
         `groups` GRPO groups of the controller's tasks with `in_flight` groups running at a time (the next
@@ -521,7 +568,7 @@ class _Lab:
         eng.update_params(place_copy(params, self.jax.tree.map(lambda x: x.sharding, eng.runner.params)),
                           eng.version + 1)
         runner = RolloutRunner(eng, Tokenizer.builtin(), RolloutConfig(
-            mode=kv_mode, max_turns=8, max_new_tokens=96, max_context=1024))
+            seed=seed, mode=kv_mode, max_turns=8, max_new_tokens=96, max_context=1024))
         calls = []
 
         class _Span:
@@ -631,7 +678,8 @@ def warm_params(path: str, log=print):
         tasks=list(KINDS), sft_steps=500, sft_batch=32, warm_cache=path))
 
 
-def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[str, costs.MeasuredCosts], dict]:
+def calibrate(shapes, reps: int, log=print, warm_cache: str = "",
+              draws: int = 4) -> tuple[dict[str, costs.MeasuredCosts], dict]:
     """`MeasuredCosts` per mode (from its layout), and the raw measurements. Every quantity is
     measured once per round, `reps` rounds interleaved, and its fastest value kept: the load of other
     processes drifts over minutes, and interleaving keeps the layouts' numbers comparable."""
@@ -642,6 +690,11 @@ def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[
     overlap = {n: lab.overlap(n, max(2, reps)) for n in sorted({LAYOUTS[m][2] for m in MODES if m != "sync"})}
     for n, (x_roll, x_train) in overlap.items():
         raw.update({f"overlap_{n}_rollout_x": x_roll, f"overlap_{n}_train_x": x_train})
+    # the trainer's and scorer's program loads (each of goodput.py's modes builds its own): no program in memory
+    lab.jax.clear_caches()
+    for n in sorted({LAYOUTS[m][2] for m in MODES}):
+        for k, v in lab.programs(n, OFFSETS[n], max(1, reps // 2)).items():
+            raw[f"programs_{n}_{k}_s"] = v
     warm = warm_params(warm_cache, log) if warm_cache else None
     if warm is not None:
         # the rollout loop alone, as goodput.py's first mode on these devices finds it: no program in memory
@@ -660,6 +713,12 @@ def calibrate(shapes, reps: int, log=print, warm_cache: str = "") -> tuple[dict[
                         f"rollout_{kv}_busy_s": sum(c[1] - c[0] for c in calls),
                         f"rollout_{kv}_hit_rate": best["counters"]["prefix_hit_rate"],
                         f"rollout_{kv}_shapes": best["shapes"]})
+            # more draws of the same policy's samples (other sampling seeds): the real runs sample each group under
+            # the policy version of its time, a draw of its own (their samples per update differ; their lengths do
+            # not drift: see the module docstring)
+            raw[f"rollout_{kv}_shapes_more"] = [
+                lab.rollout(warm, kv.split("_")[0], ROLLOUT_GROUPS, in_flight, devices, seed=s)["shapes"]
+                for s in range(1, draws)]
             log(f"rollout loop alone ({kv}, {ROLLOUT_GROUPS} groups, {in_flight} at a time, no latency): "
                 f"{best['wall_s']:.2f}s, {len(calls)} engine calls ({raw[f'rollout_{kv}_prefill_calls']} prefill) "
                 f"busy {raw[f'rollout_{kv}_busy_s']:.2f}s, KV hit {raw[f'rollout_{kv}_hit_rate']:.3f}; first pass "
@@ -707,6 +766,10 @@ def fit(raw: dict, log=print, rollout: bool = True) -> dict[str, costs.MeasuredC
             f"ref {t['time_ref_s']:.2f}s, update {t['time_update_s']:.2f}s")
     log(f"ref pass on 2 devices: {raw['ref_2']:.2f}s ({raw['ref_2_tokens']} tokens); weight sync: " +
         ", ".join(f"{k[5:]} {v * 1e3:.0f} ms" for k, v in raw.items() if k.startswith("sync_")))
+    if "programs_2_update_s" in raw:
+        log("programs of a new trainer / scorer (first call minus a warm one): " + ", ".join(
+            f"{n} devices: score {raw[f'programs_{n}_score_s']:.2f}s, update {raw[f'programs_{n}_update_s']:.2f}s, "
+            f"ref {raw[f'programs_{n}_ref_s']:.2f}s" for n in sorted({LAYOUTS[m][2] for m in MODES})))
     log("shared cores (rollout on 4 devices, training on n): " + ", ".join(
         f"n={n}: rollout x{xr:.1f}, train x{xt:.2f}" for n, (xr, xt) in overlap.items()) + " while the other runs")
     out = {}
@@ -722,6 +785,9 @@ def fit(raw: dict, log=print, rollout: bool = True) -> dict[str, costs.MeasuredC
             sync_s=raw[f"sync_{roll}_{train}"], switch_s=10.0,
             rollout_overlap_x=1.0 if m == "sync" else overlap[train][0],
             train_overlap_x=1.0 if m == "sync" else overlap[train][1], program_s=raw.get("program_s", 0.0),
+            score_program_s=raw.get(f"programs_{train}_score_s", 0.0),
+            update_program_s=raw.get(f"programs_{train}_update_s", 0.0),
+            ref_program_s=raw.get(f"programs_{ref}_ref_s", 0.0) if ref else 0.0,
             source=f"benchmarks/sim_validation.py on this CPU: rollout {roll}, ref {ref}, train {train} fake devices")
     if rollout:  # the rollout loop's time per engine call beyond the model, per mode's rollout
         for kv, mode, in_flight in (("request_8", "sync", GROUPS), ("request", "async", 2 * GROUPS),
@@ -876,7 +942,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer repetitions, 2 simulation seeds")
     p.add_argument("--json")
     p.add_argument("--measured", nargs="+", default=DEFAULT_MEASURED, help="goodput.py --json outputs")
-    p.add_argument("--seeds", type=int, default=8, help="simulation seeds averaged per mode")
+    p.add_argument("--seeds", type=int, default=8, help="simulation seeds averaged per mode (seed s: sample draw s mod "
+                                                         "--draws)")
+    p.add_argument("--draws", type=int, default=4, help="draws of the policy's samples (sampling seeds) measured")
     p.add_argument("--reps", type=int, default=4, help="interleaved measurement rounds (the fastest is kept)")
     p.add_argument("--calibration", help="reuse the calibration of an earlier --json output (no measuring)")
     p.add_argument("--warm-cache", default=str(ROOT / ".cache" / "goodput_warm"),
@@ -885,7 +953,7 @@ def main():
                    help="simulate the demonstrations' shapes even when the calibration holds measured samples")
     args = p.parse_args()
     if args.quick:
-        args.seeds, args.reps = 2, 1
+        args.seeds, args.reps, args.draws = 2, 1, 2
     measured, used, late = load_measured(args.measured)
     if "sync" not in measured:
         p.error(f"no measured sync row in {args.measured}: run benchmarks/goodput.py --json PATH first")
@@ -904,15 +972,18 @@ def main():
             cal = {m: costs.MeasuredCosts(**c) for m, c in saved["calibration"].items()}
         print(f"calibration reused from {args.calibration}", flush=True)
     else:
-        cal, raw = calibrate(shapes, args.reps, warm_cache=args.warm_cache)
+        cal, raw = calibrate(shapes, args.reps, warm_cache=args.warm_cache, draws=args.draws)
         print(f"calibration took {raw['calibration_s']:.0f}s", flush=True)
-    replay = {kv: None if args.demonstrations else raw.get(f"rollout_{kv}_shapes") for kv in set(KV_MODE.values())}
+    # per KV mode, the draws of the real policy's samples (`calibrate`: sampling seeds 0, 1, ...); seed s replays
+    # draw s mod their count in every mode of its simulated process
+    replay = {kv: None if args.demonstrations or f"rollout_{kv}_shapes" not in raw else
+              [raw[f"rollout_{kv}_shapes"]] + raw.get(f"rollout_{kv}_shapes_more", []) for kv in set(KV_MODE.values())}
     for kv, mode, in_flight in (("request_8", "sync", GROUPS), ("request", "async", 2 * GROUPS),
                                 ("ctb", "tiderl", 2 * GROUPS)):
         if replay[kv] is not None:  # the rollout loop alone: measured vs simulated (same samples, no programs to load)
-            r = simulate_rollout(dataclasses.replace(cal[mode], program_s=0.0), replay[kv], kv.split("_")[0], in_flight,
-                                 mode)
-            every = [x for g in replay[kv] for x in g]
+            r = simulate_rollout(dataclasses.replace(cal[mode], program_s=0.0), replay[kv][0], kv.split("_")[0],
+                                 in_flight, mode)
+            every = [x for g in replay[kv][0] for x in g]
             print(f"rollout loop alone ({kv}; real samples: {statistics.mean(sum(x[1]) for x in every):.1f} model "
                   f"tokens, {statistics.mean(len(x[1]) for x in every):.2f} turns): measured "
                   f"{raw[f'rollout_{kv}_wall_s']:.2f}s, "
@@ -923,7 +994,9 @@ def main():
         programs = set()
         for mode in by_mode:
             t0 = time.perf_counter()
-            by_mode[mode].append((simulate(mode, cal[mode], shapes, seed, programs, replay[KV_MODE[mode]]),
+            draws = replay[KV_MODE[mode]]
+            by_mode[mode].append((simulate(mode, cal[mode], shapes, seed, programs,
+                                           None if draws is None else draws[seed % len(draws)]),
                                   time.perf_counter() - t0))
     for mode, done in by_mode.items():
         runs = [r for r, _ in done]
@@ -932,6 +1005,10 @@ def main():
                          step_time_s=statistics.mean(r["step_time_s"] for r in runs),
                          kv_hit_rate=statistics.mean(r["kv_hit_rate"] for r in runs),
                          sd=statistics.pstdev(r["goodput_tokens_per_s"] for r in runs), wall_s=sum(t for _, t in done))
+    if args.seeds > 1:  # how much the sample draw alone moves each ratio (the same draw in every mode of a seed)
+        print("simulated ratio to sync per seed (sample draw): " + ", ".join(
+            f"{m} " + "/".join(f"{r['goodput_tokens_per_s'] / s['goodput_tokens_per_s']:.3f}"
+                               for (r, _), (s, _) in zip(by_mode[m], by_mode["sync"])) for m in sim if m != "sync"))
     m_sync, s_sync = statistics.mean(measured["sync"]), sim["sync"]["goodput"]
     rows = []
     for mode in sim:

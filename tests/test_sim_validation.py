@@ -190,3 +190,92 @@ def test_replayed_samples_wait_the_latencies_their_environment_draws():
     assert out[0].env_latency_s == (first,)  # every sample of the group: the same environment seed
     assert out[1].env_latency_s == (0.0, first)  # a turn without a tool call waits none
     assert sv.replay_sampler(groups, None)(0, None, 2)[1].env_latency_s == (0.0, 0.0)
+
+
+def _trainer_backend(**measured):
+    """A measured backend in goodput.py's tiderl layout (rollout 4, ref 2, train 2 devices) with the trainer's
+    packing (rows of 1024 tokens, 4 per micro-batch), overlap-free; and a coroutine runner on its loop."""
+    m = costs.MeasuredCosts(**{**M.__dict__, "score_per_token_s": 0.0, "update_per_token_s": 0.0,
+                               "score_per_micro_s": 0.5, "update_per_micro_s": 2.0, "ref_per_micro_s": 0.25,
+                               **measured})
+    sim = SimConfig(tp=0, kv_pages=4096, measured=m, train_row_len=1024, train_micro_rows=4)
+    pool = split_devices(range(8), mode="tiderl", group_size=2, rollout=2, ref=1, train=1, tensor=2)
+    b = sim_backend.SimBackend(sim, mode="tiderl", pool=pool, num_devices=8)
+
+    def run(coro):
+        asyncio.set_event_loop(b.loop)
+        try:
+            return b.loop.run_until_complete(coro)
+        finally:
+            asyncio.set_event_loop(None)
+    run(b.start(None, None, None))
+    return b, run
+
+
+def _batch(n: int, tokens: int = 600) -> list:
+    """n trajectories of `tokens` context tokens: one per packed row (600 + 600 > 1024), so n rows."""
+    return [sim_backend.SimTrajectory("t", "calculator", 0, model_tokens=100, context_tokens=tokens)
+            for _ in range(n)]
+
+
+def test_a_trainer_loads_the_programs_of_each_micro_batch_count_once():
+    b, run = _trainer_backend(score_program_s=1.0, update_program_s=3.0)
+
+    def step(batch):
+        t0 = b.loop.time()
+        out = run(b.train(batch))
+        return b.loop.time() - t0, out
+    # 8 rows = 2 micro-batches: proximal + colocated ref 2 x 0.5, update 2 x 2.0; the first call of the score and
+    # update programs adds their loads (the colocated ref pass finds the score program loaded)
+    t, out = step(_batch(8))
+    assert t == pytest.approx(1.0 + 1.0 + 1.0 + 4.0 + 3.0)
+    assert (out["time_proximal_s"], out["time_ref_s"], out["time_update_s"]) == pytest.approx((2.0, 1.0, 7.0))
+    assert step(_batch(8))[0] == pytest.approx(6.0)
+    # 9 rows = 4 micro-batches: a new shape, loaded once
+    assert step(_batch(9))[0] == pytest.approx(2.0 + 2.0 + 8.0 + 4.0)
+    assert step(_batch(9))[0] == pytest.approx(12.0)
+    assert step(_batch(4))[0] == pytest.approx(0.5 + 0.5 + 2.0 + 4.0)  # 1 micro-batch: new again
+    # the ref scorer on its own devices has programs of its own
+    b2, run2 = _trainer_backend(ref_program_s=0.75)
+    for expected in (2 * 0.25 + 0.75, 2 * 0.25):
+        t0 = b2.loop.time()
+        run2(b2.score_ref(_batch(8)))
+        assert b2.loop.time() - t0 == pytest.approx(expected)
+    # without program costs nothing is added
+    b3, run3 = _trainer_backend()
+    t0 = b3.loop.time()
+    run3(b3.train(_batch(8)))
+    assert b3.loop.time() - t0 == pytest.approx(6.0)
+
+
+def test_a_moved_trainer_loads_its_programs_again():
+    b, run = _trainer_backend(score_program_s=1.0, update_program_s=3.0, ref_program_s=0.75, switch_s=0.0)
+    run(b.train(_batch(8)))
+    run(b.score_ref(_batch(8)))
+    run(b.move("rollout", "ref"))  # the ref devices change (a new scorer), the trainer's do not
+    t0 = b.loop.time()
+    run(b.train(_batch(8)))
+    assert b.loop.time() - t0 == pytest.approx(6.0)  # the trainer did not move
+    t0 = b.loop.time()
+    run(b.score_ref(_batch(8)))
+    assert b.loop.time() - t0 == pytest.approx(0.5 + 0.75)
+    run(b.move("ref", "train"))
+    t0 = b.loop.time()
+    run(b.train(_batch(8)))
+    assert b.loop.time() - t0 == pytest.approx(6.0 + 4.0)
+
+
+def test_with_program_loads_the_move_cost_estimate_is_the_compile_seconds_so_far():
+    # the real controller's estimate before any move (its backend gives none): the compile seconds so far, which
+    # count a program's whole first call, load and run
+    b, run = _trainer_backend(score_program_s=1.0, update_program_s=3.0, switch_s=10.0)
+    assert b.compile_s() == 0.0
+    run(b.train(_batch(8)))
+    assert b.compile_s() == pytest.approx((1.0 + 1.0) + (4.0 + 3.0))
+    assert b.move_cost_estimate() == pytest.approx(b.compile_s())
+    run(b.train(_batch(8)))
+    assert b.compile_s() == pytest.approx(9.0)
+    # without program loads: the measured switch time, as before
+    b2, run2 = _trainer_backend(switch_s=10.0)
+    run2(b2.train(_batch(8)))
+    assert b2.compile_s() == 0.0 and b2.move_cost_estimate() == 10.0

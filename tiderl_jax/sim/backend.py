@@ -103,7 +103,11 @@ the prefix cache only for blocks computed by an earlier call (a GRPO group's sam
 all compute it; `shared_prefix_tokens`: the system prompt every task shares); every call pays the rollout
 loop's measured host time (`MeasuredCosts.call_overhead_s`), and a call whose shape bucket the process
 has not run yet loads its program (`MeasuredCosts.program_s`, `max_seq_len`; `programs`: what the
-simulated process has run, shared by the backends of one process).
+simulated process has run, shared by the backends of one process). The trainer and the ref scorer load
+their programs (`score_program_s`, `update_program_s`, `ref_program_s`) at their first batch of each
+packed micro-batch count, per backend (each real run builds its own) and again after a move of their
+devices; `compile_s` counts those calls as the real backend does, and with them simulated it is ERS's
+move-cost estimate before any move (as for the real controller, whose backend gives none).
 
 Busy time (MECHANISMS.md §9 waiting): with `attach(metrics)`, each replica event adds
 `seconds * tp` busy device-seconds to the rollout lane (replicas idle while others work count as
@@ -428,6 +432,11 @@ class SimBackend:
             self._prefill_pages = pow2_buckets(min(4, max_pages), max_pages)
             self._decode_rows = pow2_buckets(min(8, config.max_batch), config.max_batch)
             self._prefill_rows = pow2_buckets(1, min(16, config.max_batch))  # EngineConfig.max_prefill_rows
+        # the trainer's and the ref scorer's programs run so far, as (program, micro-batches)
+        # (MeasuredCosts.score_program_s / update_program_s / ref_program_s): per backend, as each real run
+        # builds its own Trainer and Scorer, whose jitted programs are their own; a move of their devices drops them
+        self._train_programs: set = set()
+        self._compiled_s = 0.0  # seconds of program loads simulated so far (`compile_s`, as the real backend's)
         self._mean_latency = self.workload.env_latency_s.mean()
         self._ref_lock: asyncio.Lock | None = None  # created on the loop in start()
         self.metrics = None
@@ -567,7 +576,10 @@ class SimBackend:
                 seconds = costs.score_time(self.shape, self.hw, tokens, devices=devices,
                                            seq_len=seq_len, eff=self.eff)
             else:
-                seconds = m.ref_fixed_s + m.ref_per_token_s * tokens + m.ref_per_micro_s * self._micro(trajectories)
+                micro = self._micro(trajectories)
+                load = self._train_program("ref", micro, m.ref_program_s)
+                seconds = m.ref_fixed_s + m.ref_per_token_s * tokens + m.ref_per_micro_s * micro + load
+                self._compiled_s += seconds if load else 0.0  # (the scorer's first call, load and run)
             await self._host_work(seconds)
         return [0.0] * len(trajectories), False
 
@@ -636,6 +648,13 @@ class SimBackend:
             update = m.update_fixed_s + m.update_per_token_s * tokens + m.update_per_micro_s * micro
         has_ref = bool(trajectories) and all(t.info.get("ref_logp") is not None for t in trajectories)
         ref = 0.0 if has_ref else proximal
+        if m is not None:  # a program shape this trainer has not run yet: its first call loads it (the colocated
+            # ref pass then finds the score program loaded)
+            loads = self._train_program("score", micro, m.score_program_s), self._train_program(
+                "update", micro, m.update_program_s)
+            proximal, update = proximal + loads[0], update + loads[1]
+            # `Trainer.compile_s` counts the whole first call of a program (its load and its run)
+            self._compiled_s += (proximal if loads[0] else 0.0) + (update if loads[1] else 0.0)
         if self._train_extra:  # borrowed replicas merge their gradients
             update += self.switch_costs("rollout", "train")["merge_s"]
         t0 = self.loop.time()
@@ -644,6 +663,14 @@ class SimBackend:
             self.metrics.busy_device_s["rollout"] += (self.loop.time() - t0) * self._train_extra
         return dict(tokens=float(sum(t.model_tokens for t in trajectories)), reward=0.0, loss=0.0,
                     time_proximal_s=proximal, time_ref_s=ref, time_update_s=update, compile_s=0.0)
+
+    def _train_program(self, program: str, micro: int, seconds: float) -> float:
+        """`seconds` the first time this trainer / scorer runs `program` on `micro` micro-batches, else 0
+        (`Trainer._program`: a jitted program per packed shape, loaded or compiled at its first call)."""
+        if not seconds or (program, micro) in self._train_programs:
+            return 0.0
+        self._train_programs.add((program, micro))
+        return seconds
 
     def _micro(self, trajectories: Sequence[Trajectory]) -> int:
         """The trainer's micro-batches for these trajectories (SimConfig.train_row_len; 0 without it)."""
@@ -671,6 +698,10 @@ class SimBackend:
                                     fixed_s=self.cfg.switch_fixed_s)
         if self.measured is not None:
             seconds = self.measured.switch_s
+        # the trainer moved to a new mesh recompiles (`Trainer.move_to`); a ref group's move makes a new Scorer
+        dropped = ({"score", "update"} if "train" in (from_role, to_role) else set()) | (
+            {"ref"} if "ref" in (from_role, to_role) else set())
+        self._train_programs = {k for k in self._train_programs if k[0] not in dropped}
         if from_role == "rollout":
             self._rebuild()  # its replicas stop now
         await asyncio.sleep(seconds)
@@ -791,7 +822,10 @@ class SimBackend:
             self._enqueue(t, s)
 
     def compile_s(self) -> float:
-        return 0.0
+        """Seconds of calls that loaded a program so far, as `JaxBackend.compile_s` counts its engine's and
+        trainer's (measured costs' `program_s`: the load, an engine call's own run being milliseconds here; the
+        trainer's and scorer's `*_program_s`: the load and the run of that first call); 0 without them."""
+        return self._compiled_s
 
     def rollout_scaling(self) -> float | None:
         """The speed one more rollout device group would add, as a fraction of linear (ERS's economics,
@@ -837,8 +871,13 @@ class SimBackend:
     def move_cost_estimate(self) -> float:
         """What one ERS move of a device group costs here (the controller's economics before any move
         is measured): the measured switch time, or the roofline switch of a train group's state."""
-        if self.measured is not None:
-            return self.measured.switch_s
+        m = self.measured
+        if m is not None:
+            if self._program_s or m.score_program_s or m.update_program_s or m.ref_program_s:
+                # program loads simulated: what the real controller weighs, with no estimate from its backend
+                # (`Controller._ers_economics`): the program seconds so far, which a move to new meshes repeats
+                return self._compiled_s
+            return m.switch_s
         group = self.pool.group_size if self.pool is not None else self.num_devices
         state = self.shape.param_bytes + self.shape.params * self.cfg.optimizer_bytes_per_param
         return costs.switch_time(state, self.hw, devices=group, span_devices=self.num_devices,
@@ -1135,6 +1174,7 @@ class SimBackend:
         if key in seen:
             return 0.0
         seen.add(key)
+        self._compiled_s += self._program_s
         return self._program_s
 
     def _decode_step(self, batch: int, context_tokens: float) -> float:

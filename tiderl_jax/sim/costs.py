@@ -328,6 +328,8 @@ class MeasuredCosts:
         engine call   + call_overhead_s                                  (per replica event: the rollout
                         loop's host time per engine call beyond the call measured alone)
                       + program_s per shape bucket the engine runs for the first time
+        train / ref   + score_program_s, update_program_s (ref_program_s on the ref devices) the first
+                        time this trainer (scorer) meets a micro-batch count
 
     Shared cores: rollout and training that overlap slow each other down. A replica event that starts
     while a train or ref job runs takes `rollout_overlap_x` times longer; a train or ref job that
@@ -357,6 +359,13 @@ class MeasuredCosts:
     update_per_micro_s: float = 0.0
     ref_per_micro_s: float = 0.0
     program_s: float = 0.0  # an engine's first call of a shape bucket (SimConfig.max_seq_len): load or compile
+    # the trainer's and the reference scorer's first call of a program shape (micro-batch count): each jits
+    # its own programs (`Trainer._program`, keyed on the packed batch's shapes), so a new count of packed
+    # micro-batches, or a new trainer (each run), loads (or compiles) them again: the proximal / colocated ref
+    # score program, the update program, the scorer's program on the ref devices (SimConfig.train_row_len)
+    score_program_s: float = 0.0
+    update_program_s: float = 0.0
+    ref_program_s: float = 0.0
     source: str = ""  # what was measured, where
 
     def __post_init__(self):
