@@ -4,7 +4,7 @@ configuration of benchmarks/goodput.py with the real controller, compare goodput
     python benchmarks/sim_validation.py [--quick] [--json out.json] [--measured PATH ...]
 
 **Measured side** (never run here: goodput.py takes minutes of both cores): the JSON rows of
-`benchmarks/goodput.py --json` runs, by default /tmp/notes/goodput_run1.json and goodput_run2.json
+`benchmarks/goodput.py --json` runs, by default /tmp/notes/goodput_run1.json, goodput_run2.json and goodput_run3.json
 (those present), or `--measured PATH ...`. Per mode, the mean goodput over the runs.
 
 **Calibration: what is set from what** (all measured by this script, in-process, in seconds; no
@@ -76,29 +76,31 @@ the fastest kept, since other processes on this shared machine only add time and
 - JAX dispatch jitter and the other processes on this shared machine (the two measured runs differ by
   up to 27% per mode: async 226 and 262 tok/s).
 
-**Results** (2026-11-30, measured runs /tmp/notes/goodput_run1.json and goodput_run2.json; calibration
-/tmp/notes/sim_validation_s5.json: the raw measurements of sim_validation_s4.json (295 s on a quiet
-machine) with this version's new ones (the trainer's and scorer's programs, 3 more sample draws) from a
-full calibration that ran while another engineer's benchmarks held a core (its timings up to 1.9x slow,
-its fitted per-call host time 24-29 ms against 4-16 ms: unusable as a whole, kept as
-sim_validation_s5_contended.json); ratio to sync, simulated vs measured, 8 seeds over 4 draws:
+**Results** (2026-11-30). Calibration /tmp/notes/sim_validation_s5_clean.json: one full run of this version
+on a quiet machine (498 s), 8 seeds over 4 sample draws. Measured: goodput.py runs 1 and 2 (before the
+ERS economics change) and run 3 (this version's code), /tmp/notes/goodput_run{1,2,3}.json. Ratio to sync:
 
-| mode | measured (updates 3-8) | simulated | error | measured (updates 6-8) | simulated | error |
-|---|---|---|---|---|---|---|
-| async | 1.022 | 1.211 | +18.5% | 1.391 | 1.220 | -12.3% |
-| tiderl | 1.359 | 1.211 | -10.9% | 1.396 | 1.173 | -16.0% |
-| limit | 1.404 | 1.380 | -1.7% | 1.466 | 1.398 | -4.6% |
+| mode | measured 3-8 (runs 1-3) | simulated | error | measured 6-8 | simulated | error | run 3 alone (3-8) |
+|---|---|---|---|---|---|---|---|
+| async | 1.029 | 1.256 | +22.0% | 1.393 | 1.288 | -7.5% | +20.4% |
+| tiderl | 1.382 | 1.381 | -0.1% | 1.427 | 1.305 | -8.6% | -3.2% |
+| limit | 1.337 | 1.318 | -1.4% | 1.380 | 1.386 | +0.4% | +9.3% |
 
-Per draw (updates 3-8): async 1.203 / 1.214 / 1.183 / 1.247, tiderl 1.239 / 1.293 / 1.100 / 1.215, limit
-1.425 / 1.380 / 1.326 / 1.392: the sample draw alone moves a simulated ratio by up to 18%. With draw 0 only
-(the samples of sim_validation_s4): async +17.7%, tiderl -8.9%, limit +1.5% (s4's model: +17.7%, -5.3%,
-+0.2%; with the new move-cost estimate but no trainer program loads: tiderl -4.0%, limit -3.6%). No simulated run moves
-a device group (as the real runs). In draw 0 the trainer's program loads fall at update 1 of every mode and
-at tiderl's update 2 (4 micro-batches, as in all four measured tiderl / limit runs): outside the window. No
-draw packs an async batch of updates 3-8 into a new micro-batch count, so async's error stays: its measured
-updates 3-5 are slower than the simulated ones in both runs (run 2: 8.4 / 8.0 / 6.4 s against 7.1 / 5.9 /
-5.9 s; its trainer wait 4.7 / 4.0 / 2.8 s against 3.5 / 2.3 / 2.3 s, with its train steps 0.1-0.3 s
-slower than at updates 6-8); at updates 6-8 the two measured runs agree within 4%. Against run 2 alone async
+Async is out over updates 3-8 in every measured run, so not by noise: the real async trainer waits 6.0 /
+4.1 / 4.1 s for data at updates 3-5 (run 3), then 1.4 / 1.6 / 1.1 s; the simulated one 3.4 / 1.8 / 1.5 s,
+then 1.7 / 1.4 / 1.5 s. The real rollout is slower than the simulated one for three updates after the
+first two, and then as fast. Where it goes (a traced async-only goodput.py run, engine programs counted as
+`ModelRunner` adds them): the real engine runs 57 distinct programs over the 8 updates, 24 of them first
+met in updates 3-5 (10 / 8 / 6), among them prefills 512 tokens wide (whole contexts prefilled again);
+the simulation (seed 0) 38, 12 in updates 3-5, none that wide. On the rollout loop alone (the replayed
+samples, no latency) the two agree (42 measured, 38 simulated). And the real async prefix-cache hit
+rate is 0.58 in runs 2-3 (0.63 in run 1) against 0.64 simulated. So the real request-level rollout in
+goodput.py's async layout loses prefix cache that the simulated one keeps, and pays the programs and
+prefill of those re-prefills early. Next step: find which rule drops it (the weight swap at each update,
+or KV pressure on 4 devices) and put it in the simulated engine.
+A helper's earlier partial calibration (s4's quiet raw measurements with this version's new ones from a
+contended run, /tmp/notes/sim_validation_s5.json) gave async +18.5%, tiderl -10.9%, limit -1.7% on runs 1-2.
+With runs 1-2 and the s4 model: async +17.7%, tiderl -5.3%, limit +0.2%. Against run 2 alone async
 is +11.5%, against run 1 +26.5% (its update 5 packed 4 micro-batches: 10.9 s of training instead of 3.5 s).
 
 Output: a table and JSON rows with `mode`, `measured_goodput`, `simulated_goodput` (tokens/s, mean over
@@ -150,7 +152,7 @@ LATENCY = (0.3, 1.0, 5.0)  # median s, sigma, cap s
 # rollout / ref / train devices of each mode's layout (goodput.py run_mode; sync: all 8 for everything)
 LAYOUTS = {"sync": (8, 0, 8), "async": (4, 0, 4), "tiderl": (4, 2, 2), "limit": (4, 2, 2)}
 MODES = ("sync", "async", "tiderl", "limit")
-DEFAULT_MEASURED = ["/tmp/notes/goodput_run1.json", "/tmp/notes/goodput_run2.json"]
+DEFAULT_MEASURED = ["/tmp/notes/goodput_run1.json", "/tmp/notes/goodput_run2.json", "/tmp/notes/goodput_run3.json"]
 
 
 # ------------------------------------------------------------------ workload from the demonstrations

@@ -1,5 +1,5 @@
 # Cython declarations for backend.py (the module stays plain Python: this file only types it when it is
-# compiled; see setup.py and `tiderl_jax.sim.compiled`). Typed attributes make the replica event core
+# compiled; see setup.py and tiderl_jax/sim/__init__.py). Typed attributes make the replica event core
 # (`SimBackend._wake` and what it calls) C struct accesses instead of dictionary lookups.
 
 cdef class _Replica
