@@ -92,7 +92,9 @@ then 1.7 / 1.4 / 1.5 s. The real rollout is slower than the simulated one for th
 first two, and then as fast. Where it goes (a traced async-only goodput.py run, engine programs counted as
 `ModelRunner` adds them): the real engine runs 57 distinct programs over the 8 updates, 24 of them first
 met in updates 3-5 (10 / 8 / 6), among them prefills 512 tokens wide (whole contexts prefilled again);
-the simulation (seed 0) 38, 12 in updates 3-5, none that wide. On the rollout loop alone (the replayed
+the simulation (seed 0) 38, 12 in updates 3-5, none that wide (caveat: in that traced run JAX started
+before goodput.py set the persistent cache, so each program compiled, ~1.4 s, and its timing and batching
+differ from runs 1-3; the counts are indicative). On the rollout loop alone (the replayed
 samples, no latency) the two agree (42 measured, 38 simulated). And the real async prefix-cache hit
 rate is 0.58 in runs 2-3 (0.63 in run 1) against 0.64 simulated. So the real request-level rollout in
 goodput.py's async layout loses prefix cache that the simulated one keeps, and pays the programs and
