@@ -291,3 +291,31 @@ def test_the_compiled_core_runs_exactly_as_its_python_source(tmp_path, mode, sim
     for key in ("wall_s", "goodput_tokens_per_s", "kv_hit_rate", "staleness", "step_time_s", "sim", "moves",
                 "rollout_wait_s", "trainer_wait_s", "borrows"):
         assert compiled[key] == python[key], key
+
+
+def test_a_turn_across_a_weight_update_misses_the_prefix_cache_at_its_next_turn():
+    # the engine's rule: prefix blocks are keyed by version and chained from the first block, so a lookup
+    # under version 1 misses blocks whose chain began under version 0 (the source module: its steps are C
+    # calls when compiled)
+    python = sim_py.python_reference()
+    b = python.SimBackend(SimConfig(kv_pages=1000), mode="async", pool=None, num_devices=8)
+    r = python._Replica(0, (0,), 1000)
+    shape = workloads.TaskSample(64, (16, 16, 16, 16), (16, 16, 16), (1.0, 1.0, 1.0), False)
+
+    def next_turn(s):  # the turn ends, the environment returns, the next turn is admitted
+        b._retire(r, s)
+        b._turn_end(r, s, 0.0)
+        r.arrivals.clear()
+        r.queue.append(s)
+        before = b._prompt_tokens_cached
+        b._admit(r)
+        return b._prompt_tokens_cached - before
+
+    s = python._Seq(0, 0, shape, None)
+    r.queue.append(s)
+    b._admit(r)  # prefilled under version 0
+    assert s.kv_version == 0
+    assert next_turn(s) == 64  # same version: the cached context's full pages hit
+    r.version = 1  # a weight update while the turn runs
+    assert next_turn(s) == 0 and s.kv_version == 1  # its chain began under version 0: prefilled again
+    assert next_turn(s) == 96  # and cached under version 1 from then on

@@ -10,7 +10,7 @@ cdef class _Waiter:
 
 cdef class _Seq:
     cdef public long gid, sample, prompt, turn, left, ctx, written, kv_pages, footprint, tokens_added, new_tokens
-    cdef public long start, end, ctx0, run
+    cdef public long start, end, ctx0, run, kv_version
     cdef public tuple gen, obs, latency
     cdef public object shape, future
     cdef public dict versions

@@ -51,11 +51,14 @@ What is modelled (all parameters in `SimConfig`, each a documented default):
   tool calls, so a resume prefills only the observation; when a turn does not fit, waiting tasks'
   KV is evicted (`ctb.choose_evictions`) into the prefix cache. `request` (sync / async): after each
   turn the sequence's KV becomes evictable prefix cache (LRU, full pages); the next turn prefills
-  the whole context minus what is still cached. The engine keys prefix blocks by policy version, so
-  a cache entry hits only under the version that wrote it; pinned KV survives weight updates
-  (`EngineConfig.on_update="continue"`). A GRPO group's prompt hits when another sample of the
-  group already holds it on the same replica. KV hit rate = cached prompt tokens / prompt tokens
-  over every prefill admission (the engine's counter).
+  the whole context minus what is still cached. The engine keys prefix blocks by policy version and
+  chains each block's key to its parent's, and a lookup walks from the first block: an entry hits only
+  under the version its chain began in, the version of the sequence's last prefill from its first block
+  (`_Seq.kv_version`; a turn that runs across a weight update keeps its KV but its next lookup misses);
+  pinned KV survives weight updates (`EngineConfig.on_update="continue"`). A GRPO group's prompt hits
+  when another sample of the group already holds it on the same replica (under the current version:
+  a sample prefilled again writes it anew), as does the shared system prefix. KV hit rate = cached
+  prompt tokens / prompt tokens over every prefill admission (the engine's counter).
 - **Placement**: a task stays on its replica (sticky); a new task goes to the replica with the fewest
   live tasks (ties: lowest id). A replica removed by a move loses its KV; its tasks continue on
   others (their next prefill recomputes the whole context).
@@ -250,8 +253,8 @@ class _Waiter:
 class _Seq:
     """One task (a GRPO sample) on the rollout side."""
     __slots__ = ("gid", "sample", "shape", "gen", "obs", "latency", "prompt", "turn", "left", "ctx", "written",
-                 "versions", "replica", "future", "pinned", "kv_pages", "footprint", "tokens_added", "wait_started",
-                 "new_tokens", "admitted", "start", "end", "ctx0", "run")
+                 "versions", "replica", "future", "pinned", "kv_pages", "kv_version", "footprint", "tokens_added",
+                 "wait_started", "new_tokens", "admitted", "start", "end", "ctx0", "run")
 
     def __init__(self, gid: int, sample: int, shape: workloads.TaskSample, future: _Waiter | None):
         self.gid, self.sample, self.shape, self.future = gid, sample, shape, future
@@ -266,6 +269,7 @@ class _Seq:
         self.replica: _Replica | None = None
         self.pinned = False  # CTB: KV held while the environment runs
         self.kv_pages = 0  # pages it holds (running reservation or pinned)
+        self.kv_version = 0  # the version its KV's prefix-cache chain is keyed by (its last prefill from block 0)
         self.footprint = 0  # CTB admission estimate (tokens), 0 before admission
         self.tokens_added = 0
         self.wait_started = 0.0
@@ -1057,7 +1061,7 @@ class SimBackend:
             s.pinned = False
             r.used -= s.kv_pages
             full = (s.ctx // self.ps)
-            r.cache[s] = (s.kv_pages, full * self.ps, r.version)
+            r.cache[s] = (s.kv_pages, full * self.ps, s.kv_version)
             r.cache_pages += s.kv_pages
             s.kv_pages = 0
             self.counters["ctb_evictions"] += 1
@@ -1113,7 +1117,8 @@ class SimBackend:
                     r.cache_pages -= entry[0]
                     if entry[2] == r.version:
                         cached = entry[1]
-                if s.turn == 0 and s.written == 0:
+                first = s.turn == 0 and s.written == 0
+                if first or not cached:  # its prompt: blocks of this version another sample computed
                     p = r.prompts.get(s.gid)
                     if self._engine_steps:  # blocks computed in an earlier event only (`SimConfig.engine_steps`)
                         event = r.events
@@ -1126,9 +1131,11 @@ class SimBackend:
                             r.prefix_at = (r.version, event)
                     elif p is not None and p[0] == r.version and p[1] > 0:
                         cached = max(cached, (s.prompt - 1) // ps * ps)
-                    if p is None or p[0] != r.version:
-                        r.prompts[s.gid] = p = [r.version, 0, r.events]
-                    p[1] += 1
+                    if p is None or p[0] != r.version:  # (a re-prefill writes the group's prompt under this version)
+                        r.prompts[s.gid] = p = [r.version, 0 if first else 1, r.events]
+                    if first:
+                        p[1] += 1
+                s.kv_version = r.version  # a hit was of this version; a miss prefills the chain anew under it
             ctx = s.ctx
             new = ctx - cached
             if chunk_buckets:
@@ -1458,7 +1465,7 @@ class SimBackend:
         else:  # the turn's KV becomes prefix cache (full pages), keyed by this version
             r.used -= s.kv_pages
             full = s.ctx // self.ps
-            r.cache[s] = (full, full * self.ps, r.version)
+            r.cache[s] = (full, full * self.ps, s.kv_version)
             r.cache_pages += full
             s.kv_pages = 0
         s.ctx += obs
