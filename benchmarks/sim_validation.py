@@ -78,28 +78,31 @@ the fastest kept, since other processes on this shared machine only add time and
 
 **Results** (2026-11-30). Calibration /tmp/notes/sim_validation_s5_clean.json: one full run of this version
 on a quiet machine (498 s), 8 seeds over 4 sample draws. Measured: goodput.py runs 1 and 2 (before the
-ERS economics change) and run 3 (this version's code), /tmp/notes/goodput_run{1,2,3}.json. Ratio to sync:
+ERS economics change) and run 3 (this version's code), /tmp/notes/goodput_run{1,2,3}.json. Ratio to sync
+(/tmp/notes/sim_validation_s5_final.json):
 
-| mode | measured 3-8 (runs 1-3) | simulated | error | measured 6-8 | simulated | error | run 3 alone (3-8) |
+| mode | measured 3-8 (runs 1-3) | simulated | error | measured 6-8 | simulated | error | run 1 / 2 / 3 alone (3-8) |
 |---|---|---|---|---|---|---|---|
-| async | 1.029 | 1.256 | +22.0% | 1.393 | 1.288 | -7.5% | +20.4% |
-| tiderl | 1.382 | 1.381 | -0.1% | 1.427 | 1.305 | -8.6% | -3.2% |
-| limit | 1.337 | 1.318 | -1.4% | 1.380 | 1.386 | +0.4% | +9.3% |
+| async | 1.029 | 1.196 | +16.2% | 1.393 | 1.243 | -10.8% | +25.0% / +10.2% / +14.6% |
+| tiderl | 1.382 | 1.249 | -9.6% | 1.427 | 1.220 | -14.5% | -1.4% / -13.9% / -12.5% |
+| limit | 1.337 | 1.325 | -0.9% | 1.380 | 1.393 | +0.9% | -7.8% / -3.4% / +9.8% |
 
-Async is out over updates 3-8 in every measured run, so not by noise: the real async trainer waits 6.0 /
-4.1 / 4.1 s for data at updates 3-5 (run 3), then 1.4 / 1.6 / 1.1 s; the simulated one 3.4 / 1.8 / 1.5 s,
-then 1.7 / 1.4 / 1.5 s. The real rollout is slower than the simulated one for three updates after the
-first two, and then as fast. Where it goes (a traced async-only goodput.py run, engine programs counted as
-`ModelRunner` adds them): the real engine runs 57 distinct programs over the 8 updates, 24 of them first
-met in updates 3-5 (10 / 8 / 6), among them prefills 512 tokens wide (whole contexts prefilled again);
-the simulation (seed 0) 38, 12 in updates 3-5, none that wide (caveat: in that traced run JAX started
-before goodput.py set the persistent cache, so each program compiled, ~1.4 s, and its timing and batching
-differ from runs 1-3; the counts are indicative). On the rollout loop alone (the replayed
-samples, no latency) the two agree (42 measured, 38 simulated). And the real async prefix-cache hit
-rate is 0.58 in runs 2-3 (0.63 in run 1) against 0.64 simulated. So the real request-level rollout in
-goodput.py's async layout loses prefix cache that the simulated one keeps, and pays the programs and
-prefill of those re-prefills early. Next step: find which rule drops it (the weight swap at each update,
-or KV pressure on 4 devices) and put it in the simulated engine.
+Against runs 2 and 3 each, every mode is within 15%; run 1's async packed one update into 4
+micro-batches (10.9 s of training instead of 3.5 s), which no simulated draw does. The simulated ratios
+move with the draw (async 1.16-1.25, tiderl 1.06-1.48: a tiderl run that makes an ERS move, or finds
+other programs loaded by the async run before it in the same process, changes by up to 25%).
+
+Before the prefix-cache chain rule (`sim/backend.py`: a sequence's cached blocks hit only under the
+version its chain began in) async was +22.0% on runs 1-3: the real async trainer waits 6.0 / 4.1 / 4.1 s
+for data at updates 3-5 of run 3, then 1.4 / 1.6 / 1.1 s; the simulated one waited 3.4 / 1.8 / 1.5 s. A
+traced async-only goodput.py run (engine programs counted as `ModelRunner` adds them) met 57 distinct
+programs over the 8 updates, 24 first in updates 3-5 (10 / 8 / 6), among them prefills 512 tokens wide
+(whole contexts prefilled again); the simulation (seed 0) 38, 12 in updates 3-5, none that wide (caveat:
+in that traced run JAX started before goodput.py set the persistent cache, so each program compiled,
+~1.4 s, and its timing and batching differ from runs 1-3; the counts are indicative). The real async
+prefix-cache hit rate is 0.58 in runs 2-3 (0.63 in run 1); the simulated one was 0.64 and is 0.53-0.56
+with the chain rule. What is left for async: its early updates still wait longer than simulated; next
+step, count the real engine's programs and re-prefills per update with the persistent cache on.
 A helper's earlier partial calibration (s4's quiet raw measurements with this version's new ones from a
 contended run, /tmp/notes/sim_validation_s5.json) gave async +18.5%, tiderl -10.9%, limit -1.7% on runs 1-2.
 With runs 1-2 and the s4 model: async +17.7%, tiderl -5.3%, limit +0.2%. Against run 2 alone async
