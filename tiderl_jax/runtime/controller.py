@@ -378,11 +378,10 @@ class Controller:
         """Drops the group's samples whose oldest token is more than eta versions behind now;
         returns how many."""
         eta, version = self.cfg.staleness.eta, self.version
-        fresh = []
-        for t in group.trajectories:
-            oldest = t.oldest_version()
-            if oldest < 0 or staleness.is_fresh(oldest, version, eta):
-                fresh.append(t)
+        oldest = [t.oldest_version() for t in group.trajectories]
+        if staleness.is_fresh([v for v in oldest if v >= 0], version, eta):  # its oldest sample is fresh: all are
+            return 0
+        fresh = [t for t, v in zip(group.trajectories, oldest) if v < 0 or staleness.is_fresh(v, version, eta)]
         dropped = len(group.trajectories) - len(fresh)
         self.ledger["dropped:stale"] += dropped
         group.trajectories = fresh
