@@ -22,7 +22,7 @@ def get_config():
     c.logdir = "runs/sim_tiderl_text"
     c.workload = "tiderl-text-7b"
     c.accelerator = ""  # "" = the workload's
-    c.sizes = (32, 64, 128, 256)  # accelerators; 1024 works too (minutes per mode: see WORKSPACE)
+    c.sizes = (32, 64, 128, 256)  # accelerators; 1024 works too (100 steps: under a minute per mode, compiled)
     c.modes = ("sync", "sync+war", "async", "tiderl", "tiderl+bidirl")
     c.steps = 20  # optimizer updates per run
     c.bidirl_probes = 5  # async+bidirl: rollout/train splits its static planner simulates

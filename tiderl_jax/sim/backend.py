@@ -6,7 +6,8 @@ takes the seconds `sim/costs.py` gives it on the virtual-time loop (`sim/clock.p
 1024-accelerator run costs only the Python of its events.
 
 **The event core.** Train, reference scoring, weight sync and moves are `asyncio.sleep`s of their
-cost. The rollout side runs on one heap of timed entries inside the backend, in plain Python: one
+cost. The rollout side runs on one heap of timed entries inside the backend (this module compiled by
+Cython with the types in backend.pxd, when built; run as it is, it is the reference): one
 loop timer fires the earliest, and the driver (`_drive`) keeps popping entries and advancing the
 virtual clock itself as long as nothing else on the loop could happen first
 (`VirtualTimeLoop.quiet_until`: no ready callback, no earlier timer). A replica has one entry, at its
