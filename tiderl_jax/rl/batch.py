@@ -67,6 +67,30 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def first_fit_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """Positions into `lengths` per row: first-fit decreasing into rows of `row_len` tokens (longest
+    first, equal lengths in their order). Every length must fit a row."""
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        for r, u in enumerate(used):
+            if u + n <= row_len:
+                rows[r].append(i)
+                used[r] += n
+                break
+        else:
+            rows.append([i])
+            used.append(n)
+    return rows
+
+
+def num_micro_batches(num_rows: int, micro_rows: int, min_micro: int = 1) -> int:
+    """Micro-batches of `micro_rows` rows that hold `num_rows` rows, rounded up to a power of two (one
+    compiled train program per count)."""
+    return _pow2(max(min_micro, -(-num_rows // micro_rows)))
+
+
 def pack(sequences: Sequence[Trajectory], *, row_len: int, micro_rows: int,
          min_micro: int = 1, patch_dim: int = 0) -> PackedBatch:
     """Packs trajectories (first-fit decreasing) into `[num_micro, micro_rows, row_len]` arrays.
@@ -84,20 +108,9 @@ def pack(sequences: Sequence[Trajectory], *, row_len: int, micro_rows: int,
                                f"patch_dim {patch_dim}"))
         else:
             order.append(i)
-    order.sort(key=lambda i: -len(sequences[i].tokens))
-    rows: list[list[int]] = []  # sequence indices per row
-    used: list[int] = []
-    for i in order:
-        n = len(sequences[i].tokens)
-        for r, u in enumerate(used):
-            if u + n <= row_len:
-                rows[r].append(i)
-                used[r] += n
-                break
-        else:
-            rows.append([i])
-            used.append(n)
-    num_micro = _pow2(max(min_micro, -(-len(rows) // micro_rows)))
+    rows = [[order[j] for j in row]  # sequence indices per row
+            for row in first_fit_rows([len(sequences[i].tokens) for i in order], row_len)]
+    num_micro = num_micro_batches(len(rows), micro_rows, min_micro)
     shape = (num_micro, micro_rows, row_len)
     arrays = {"tokens": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32),
               "segment_ids": np.zeros(shape, np.int32), "mask": np.zeros(shape, np.float32),

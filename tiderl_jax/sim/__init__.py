@@ -27,9 +27,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = (os.path.join(_HERE, "backend.py"), os.path.join(_HERE, "backend.pxd"))
 
 
+def _built() -> list[str]:
+    """The extension files built from `backend` (any age)."""
+    return sorted(glob.glob(os.path.join(_HERE, "backend.*.so")) + glob.glob(os.path.join(_HERE, "backend.*.pyd")))
+
+
 def compiled_core() -> str | None:
     """The path of the built extension of `backend`, if there is one at least as new as its sources."""
-    built = sorted(glob.glob(os.path.join(_HERE, "backend.*.so")) + glob.glob(os.path.join(_HERE, "backend.*.pyd")))
+    built = _built()
     if not built:
         return None
     source = max(os.path.getmtime(p) for p in _SOURCES if os.path.exists(p))
@@ -61,5 +66,5 @@ def python_reference():
 if "tiderl_jax.sim.backend" not in sys.modules and (os.environ.get("TIDERL_SIM_PYTHON") == "1"
                                                     or compiled_core() is None):
     # the import system would take an extension before backend.py: load the source as `backend` itself
-    if glob.glob(os.path.join(_HERE, "backend.*.so")) or glob.glob(os.path.join(_HERE, "backend.*.pyd")):
+    if _built():
         _load_source("tiderl_jax.sim.backend")

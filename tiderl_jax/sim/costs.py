@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tiderl_jax.rl import batch as rl_batch  # (JAX-free: the trainer's packing rule)
 from tiderl_jax.sim.hardware import Accelerator
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
@@ -295,16 +296,8 @@ def packed_micro_batches(lengths, row_len: int, micro_rows: int) -> int:
     """Micro-batches the trainer computes for sequences of these lengths (`rl.batch.pack`: first-fit
     decreasing into rows of `row_len` tokens, `micro_rows` rows per micro-batch, their count rounded up
     to a power of two; sequences longer than a row are dropped)."""
-    used: list[int] = []
-    for n in sorted((n for n in lengths if n <= row_len), reverse=True):
-        for r, u in enumerate(used):
-            if u + n <= row_len:
-                used[r] += n
-                break
-        else:
-            used.append(n)
-    micro = max(1, -(-len(used) // micro_rows))
-    return 1 << (micro - 1).bit_length()
+    rows = rl_batch.first_fit_rows([n for n in lengths if n <= row_len], row_len)
+    return rl_batch.num_micro_batches(len(rows), micro_rows)
 
 
 @dataclasses.dataclass(frozen=True)
