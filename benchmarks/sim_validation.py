@@ -58,8 +58,9 @@ the fastest kept, since other processes on this shared machine only add time and
   concurrency: goodput.py's; each seed simulates the four modes in goodput.py's order in one simulated
   process, so programs compiled by an earlier mode on the same devices are found in memory.
 - *the engine's own rules* (`SimConfig.engine_steps`, from `Engine`'s code): 1 decode step in a call that
-  prefills, 8 otherwise; turns handed over when the call returns; one prefill call per chunk-length
-  bucket; a group's prompt shared only once computed, the system prompt every task shares
+  prefills, 8 otherwise; turns handed over when the call returns; at most 512 tokens of a sequence and 2048
+  in all prefilled per call (a longer prefill, as a whole context after a weight update, goes on over the
+  next calls, each with a 1-step decode); one prefill call per chunk-length bucket; a group's prompt shared only once computed, the system prompt every task shares
   (`shared_prefix`) once any prompt was prefilled under the version; a program per shape bucket.
 
 **What the simulator cannot represent here** (so a ratio may differ for these reasons):
@@ -843,7 +844,8 @@ def simulate(mode: str, measured: costs.MeasuredCosts, shapes: dict, seed: int, 
     sim = sim_backend.SimConfig(workload=w, tp=0, page_size=ENGINE["page_size"], kv_pages=ENGINE["num_pages"],
                                 max_batch=ENGINE["max_running"], decode_chunk=ENGINE["decode_steps"],
                                 measured=measured, engine_steps=True, shared_prefix_tokens=shared_prefix(shapes),
-                                prefill_chunk=ENGINE["prefill_chunk"], max_seq_len=ENGINE["max_seq_len"],
+                                prefill_chunk=ENGINE["prefill_chunk"], prefill_budget=ENGINE["prefill_budget"],
+                                max_seq_len=ENGINE["max_seq_len"],
                                 train_row_len=TRAINER["row_len"], train_micro_rows=TRAINER["micro_rows"], seed=seed)
     logdir = tempfile.mkdtemp(prefix=f"simval_{mode}_")
     summary, _, _ = sim_backend.run(sim, ccfg, num_devices=8, logdir=logdir,
@@ -885,7 +887,8 @@ def simulate_rollout(measured: costs.MeasuredCosts, shapes: list[list[tuple]], k
                                 max_batch=ENGINE["max_running"], decode_chunk=ENGINE["decode_steps"],
                                 measured=dataclasses.replace(measured, rollout_overlap_x=1.0, train_overlap_x=1.0),
                                 engine_steps=True, shared_prefix_tokens=shared_prefix(demo_shapes(4)),
-                                prefill_chunk=ENGINE["prefill_chunk"], max_seq_len=ENGINE["max_seq_len"])
+                                prefill_chunk=ENGINE["prefill_chunk"], prefill_budget=ENGINE["prefill_budget"],
+                                max_seq_len=ENGINE["max_seq_len"])
     pool = None if mode == "sync" else split_devices(range(8), mode=mode, group_size=2, rollout=2,
                                                      ref=1 if mode == "tiderl" else 0,
                                                      train=1 if mode == "tiderl" else 2, tensor=2)

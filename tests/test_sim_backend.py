@@ -166,6 +166,10 @@ CORE_CASES = [  # configurations that reach every branch of the replica event co
     ("async", SimConfig(kv_pages=600, decode_chunk=4), {}),
     ("tiderl", SimConfig(tp=0, kv_pages=4096, measured=_measured(rollout_overlap_x=3.0, train_overlap_x=1.5)), {}),
     ("async", SimConfig(switch_fixed_s=0.0), dict(BORROW, steps=5)),
+    # the real engine's rules (sim_validation's): 1-step calls, chunked prefill under a budget, program loads
+    ("tiderl", SimConfig(tp=0, kv_pages=4096, max_batch=64, decode_chunk=8, engine_steps=True, prefill_chunk=256,
+                         prefill_budget=512, max_seq_len=8192, shared_prefix_tokens=32,
+                         measured=_measured(rollout_overlap_x=3.0, program_s=0.3, call_overhead_s=0.01)), {}),
     ("sync", SimConfig(workload="bidirl-math", war_speculation=True), {})]
 
 

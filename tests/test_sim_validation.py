@@ -23,10 +23,10 @@ M = costs.MeasuredCosts(decode_step_s=0.01, decode_per_seq_s=0.0, prefill_fixed_
 def _rollout(shapes, **kw):
     """Groups of sample shapes ((prompt, gen per turn, obs per gap) each, no latency) on one measured
     replica, each group placed `gap` seconds after the previous; (virtual seconds, backend)."""
-    gap, programs = kw.pop("gap", 0.0), kw.pop("programs", None)
-    sim = SimConfig(tp=0, kv_pages=4096, max_batch=64, decode_chunk=8, **{"measured": M, **kw})
+    gap, programs, module = kw.pop("gap", 0.0), kw.pop("programs", None), kw.pop("module", sim_backend)
+    sim = module.SimConfig(tp=0, kv_pages=4096, max_batch=64, decode_chunk=8, **{"measured": M, **kw})
     pool = split_devices(range(8), mode="async", group_size=2, rollout=2, ref=0, train=2, tensor=2)
-    b = sim_backend.SimBackend(sim, mode="async", pool=pool, num_devices=8)
+    b = module.SimBackend(sim, mode="async", pool=pool, num_devices=8)
     b.programs = programs
     b.shape_sampler = lambda g, rng, n: [workloads.TaskSample(p, gen, obs, (0.0,) * len(obs), False)
                                          for p, gen, obs in shapes[g][:n]]
@@ -109,6 +109,49 @@ def test_an_event_makes_one_prefill_call_per_chunk_length_bucket():
     # the same bucket: one call
     t_same, _ = _rollout([[(40, (1,), ())], [(50, (1,), ())]], engine_steps=True, prefill_chunk=512)
     assert t_same == pytest.approx(0.1 + 0.01)
+
+
+def test_prefill_goes_on_over_events_in_the_engines_chunks_under_its_budget(monkeypatch):
+    # the real Engine (`_plan_prefill`: at most prefill_chunk tokens of a sequence per step, prefill_budget in all;
+    # a sequence decodes once its last chunk is in) against the simulated one: the same prefill calls, by shape
+    # bucket, step by step. Prompts of 40, 10 and 10 tokens, chunk 16, budget 32: 16 + 10 + 6, then 16 + 4, then 8
+    import numpy as np
+
+    import tiderl_jax.sim as sim_py
+    from tiderl_jax.engine.engine import Engine, EngineConfig, Request
+    from tiderl_jax.engine.sampling import SamplingParams
+    from tiderl_jax.model.config import ModelConfig
+    from tiderl_jax.model.decoder import init_decoder
+
+    lengths, engine = (40, 10, 10), dict(page_size=8, prefill_chunk=16, prefill_budget=32, max_seq_len=256)
+    model = init_decoder(ModelConfig(arch="qwen3", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+                                     num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=256,
+                                     dtype="float32"), seed=0)
+    eng = Engine(model, EngineConfig(num_pages=128, max_running=64, max_prefill_rows=16, decode_steps=8, **engine))
+    real, prefill = [], eng.runner.prefill
+
+    def logged(tokens, page_table, *a, **k):
+        real.append((eng.stats()["steps"], tokens.shape[0], tokens.shape[1], page_table.shape[1]))
+        return prefill(tokens, page_table, *a, **k)
+    monkeypatch.setattr(eng.runner, "prefill", logged)
+    rng = np.random.default_rng(0)
+    for n in lengths:
+        eng.submit(Request([int(t) for t in rng.integers(0, 64, n)], SamplingParams(max_new_tokens=4)))
+    eng.run()
+
+    python = sim_py.python_reference()  # (a compiled class cannot be patched)
+    simulated, program = [], python.SimBackend._program
+
+    def log_program(self, r, key):
+        if key[0] == "prefill":
+            simulated.append((r.events,) + key[1:])
+        return program(self, r, key)
+    monkeypatch.setattr(python.SimBackend, "_program", log_program)
+    m = costs.MeasuredCosts(**{**M.__dict__, "program_s": 1e-3})
+    _rollout([[(n, (4,), ())] for n in lengths], module=python, measured=m, engine_steps=True, **engine)
+    first = simulated[0][0]
+    assert [(e - first + 1, *k) for e, *k in simulated] == real
+    assert [(step, rows, width) for step, rows, width, _ in real] == [(1, 4, 16), (2, 2, 16), (3, 1, 16)]
 
 
 def test_an_engine_pays_for_each_program_once_and_a_process_once_per_devices():

@@ -10,7 +10,7 @@ cdef class _Waiter:
 
 cdef class _Seq:
     cdef public long gid, sample, prompt, turn, left, ctx, written, kv_pages, footprint, tokens_added, new_tokens
-    cdef public long start, end, ctx0, run, kv_version
+    cdef public long start, end, ctx0, run, kv_version, pf_left, pf_done
     cdef public tuple gen, obs, latency
     cdef public object shape, future
     cdef public dict versions
@@ -21,7 +21,7 @@ cdef class _Seq:
 cdef class _Replica:
     cdef public long rid, capacity, version, steps, maxend, ctx_base, used, cache_pages, footprints, live, events
     cdef public long w_step, w_chunks, w_first, span_steps, span_batch, span_ctx_base, span_maxend, span_first_end
-    cdef public object devices, pending, queue, cache
+    cdef public object devices, pending, queue, cache, prefilling
     cdef public dict running, pinned, prompts
     cdef public list ends, vlog, arrivals
     cdef public tuple prefix_at
@@ -34,7 +34,7 @@ cdef class SimBackend:
     cdef public long ps, _chunk, _order, _admissions, _events, _decode_tokens, _prompt_tokens, _prompt_tokens_cached
     cdef public long _prefill_tokens, _load_steps, _busy_replicas
     cdef public long _max_batch, _finished_window, _shared_prefix, _finishes, _host_jobs, _rollout_devices
-    cdef public long _replica_devices, _train_extra, _rid
+    cdef public long _replica_devices, _train_extra, _rid, _prefill_budget, _prefill_row_cap
     cdef public double _load_busy, _load_prefill, _load_running, _load_queued, _span_busy, _armed_at
     cdef public double _call_overhead, _program_s, _flops_rate, _prefill_rate, _bytes_rate, _attn_per_pair
     cdef public double _decode_flops, _param_bytes, _matmul_params, _kv_bytes, _mean_latency
@@ -53,6 +53,7 @@ cdef class SimBackend:
     cdef object _free(self, _Replica r)
     cdef _evict_cache(self, _Replica r, long need, _Seq keep)
     cdef double _admit(self, _Replica r)
+    cdef _start(self, _Replica r, _Seq s)
     cdef double _program(self, _Replica r, tuple key)
     cdef double _prefill_time(self, long n, long c, double pairs, long calls=*)
     cdef _arrived(self, _Replica r, double now)

@@ -102,7 +102,9 @@ replica events are re-timed when the first job starts and the last one ends). Wi
 own rules replace the roofline replica's where they differ (`engine_steps`, each an `Engine` behaviour):
 an event is one engine call, which decodes 1 step when it prefills or leaves a turn waiting and a whole
 `decode_chunk` otherwise (ended rows ride along), and hands its ended turns to the rollout loop when it
-returns; it makes one prefill call per chunk-length bucket (`prefill_chunk`); a first turn's prompt hits
+returns; it prefills at most `prefill_chunk` tokens of a sequence and `prefill_budget` in all (a longer prefill goes
+on in the next calls, the sequence decoding from the call of its last chunk), in one call per chunk-length bucket
+(`prefill_chunk`); a first turn's prompt hits
 the prefix cache only for blocks computed by an earlier call (a GRPO group's samples admitted together
 all compute it; `shared_prefix_tokens`: the system prompt every task shares); every call pays the rollout
 loop's measured host time (`MeasuredCosts.call_overhead_s`), and a call whose shape bucket the process
@@ -148,6 +150,7 @@ from tiderl_jax.sim import costs, hardware, workloads
 
 
 _INF = float("inf")
+_NO_LIMIT = 1 << 62
 SHAPE_BLOCK = 64  # groups whose task shapes are drawn together (`SimBackend._shape`)
 
 
@@ -193,6 +196,11 @@ class SimConfig:
     # event): an event makes one prefill call per chunk-length bucket among the sequences it admits (powers of
     # two from 16 up to this, as `Engine._run_prefill`), each paying `MeasuredCosts.prefill_fixed_s`
     prefill_chunk: int = 0
+    # with `engine_steps` and `prefill_chunk`: the engine's prefill tokens per call (EngineConfig.prefill_budget; 0:
+    # no limit). As `Engine._plan_prefill`, an event prefills at most `prefill_chunk` tokens of each sequence and
+    # this many in all, for at most 16 sequences (EngineConfig.max_prefill_rows); a sequence with more left goes on
+    # prefilling in the next events, and decodes from the event that prefills its last chunk
+    prefill_budget: int = 0
     # with `engine_steps` and `MeasuredCosts.program_s`: the engine's longest sequence (EngineConfig.max_seq_len),
     # for its shape buckets. Every engine jits its programs itself, one per shape bucket (decode: rows x pages
     # per row; prefill: rows x chunk length x pages), so a replica's first event that needs a bucket it has not
@@ -213,7 +221,8 @@ class SimConfig:
         for name in ("page_size", "max_batch", "decode_chunk", "finished_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1")
-        for name in ("kv_pages", "initial_growth", "shared_prefix_tokens", "prefill_chunk", "max_seq_len",
+        for name in ("kv_pages", "initial_growth", "shared_prefix_tokens", "prefill_chunk", "prefill_budget",
+                     "max_seq_len",
                      "train_row_len", "train_micro_rows", "sync_fixed_s", "switch_fixed_s",
                      "optimizer_bytes_per_param"):
             if getattr(self, name) < 0:
@@ -255,7 +264,7 @@ class _Seq:
     """One task (a GRPO sample) on the rollout side."""
     __slots__ = ("gid", "sample", "shape", "gen", "obs", "latency", "prompt", "turn", "left", "ctx", "written",
                  "versions", "replica", "future", "pinned", "kv_pages", "kv_version", "footprint", "tokens_added",
-                 "wait_started", "new_tokens", "admitted", "start", "end", "ctx0", "run")
+                 "wait_started", "new_tokens", "admitted", "start", "end", "ctx0", "run", "pf_left", "pf_done")
 
     def __init__(self, gid: int, sample: int, shape: workloads.TaskSample, future: _Waiter | None):
         self.gid, self.sample, self.shape, self.future = gid, sample, shape, future
@@ -281,6 +290,9 @@ class _Seq:
         # turn, that count when the turn ends, its context then, and its admission number (-1: not running)
         self.start = self.end = self.ctx0 = 0
         self.run = -1
+        # while prefilling over several events (SimConfig.prefill_budget): tokens still to prefill, and its
+        # context's tokens computed (cached or prefilled) so far
+        self.pf_left = self.pf_done = 0
 
 
 class _Replica:
@@ -305,7 +317,7 @@ class _Replica:
                  "prompts", "alive", "borrowed", "busy", "retry", "arrivals", "wake_at", "span_start", "span_prefill",
                  "span_steps", "span_batch", "span_ctx_base", "span_maxend", "span_first_end", "w_step", "w_start",
                  "w_prefill", "w_first", "w_step_s", "w_prev", "w_chunks", "w_dur", "one_step", "events", "prefix_at",
-                 "programs")
+                 "programs", "prefilling")
 
     def __init__(self, rid: int, devices: tuple, capacity: int):
         self.rid, self.devices, self.capacity = rid, devices, capacity  # capacity in pages
@@ -313,6 +325,8 @@ class _Replica:
         self.pending: collections.deque[_Seq] = collections.deque()  # CTB: new tasks awaiting task admission
         self.queue: collections.deque[_Seq] = collections.deque()  # the engine's queue: turns to start, FIFO
         self.running: dict[_Seq, None] = {}  # insertion order = admission order
+        # admitted turns whose prefill goes on in the next events (SimConfig.prefill_budget), in admission order
+        self.prefilling: collections.deque[_Seq] = collections.deque()
         self.steps = 0  # decode steps done
         self.ends: list = []  # (step its turn ends at, admission number, seq)
         self.maxend = 0  # the latest step a running sequence's turn ends at
@@ -426,6 +440,8 @@ class SimBackend:
         # `Engine._chunk_buckets` (SimConfig.prefill_chunk with engine_steps), () otherwise
         chunk = config.prefill_chunk if config.engine_steps else 0
         self._chunk_buckets = pow2_buckets(min(16, chunk), chunk) if chunk else ()
+        self._prefill_budget = (config.prefill_budget or _NO_LIMIT) if chunk else _NO_LIMIT
+        self._prefill_row_cap = min(16, config.max_batch) if chunk else _NO_LIMIT  # EngineConfig.max_prefill_rows
         # `Engine`'s shape buckets (SimConfig.max_seq_len with engine_steps and MeasuredCosts.program_s)
         m = config.measured
         self._program_s = m.program_s if (m is not None and config.engine_steps and config.max_seq_len) else 0.0
@@ -933,6 +949,7 @@ class SimBackend:
                 if not self._driving:
                     self._arm(at)
             r.arrivals = []
+            orphans.extend(r.prefilling)  # (their prefill so far lost with the KV)
             orphans.extend(r.queue)
             orphans.extend(r.pending)
             for s in list(r.pinned) + list(r.cache):
@@ -1088,8 +1105,35 @@ class SimBackend:
         pairs = 0.0
         chunk_buckets = self._chunk_buckets
         calls: dict[int, list] = {}  # chunk-length bucket -> [rows, most pages]: one prefill call each
-        ends, push = r.ends, heapq.heappush
-        while queue and len(running) < max_batch:
+        # `Engine._plan_prefill` (engine_steps with prefill_chunk): per event at most `chunk` tokens of a sequence,
+        # `budget` tokens in all, `row_cap` sequences; prefills admitted by earlier events go first
+        chunk = chunk_buckets[-1] if chunk_buckets else 0
+        budget = self._prefill_budget
+        row_cap = self._prefill_row_cap
+        rows = 0
+        work = 0  # tokens this event prefills
+        n: int
+        prefilling = r.prefilling
+        if prefilling:
+            for s in prefilling:
+                if budget <= 0 or rows >= row_cap:
+                    break
+                n = min(s.pf_left, chunk, budget)
+                call = calls.setdefault(_bucket(n, chunk_buckets), [0, 0])
+                call[0] += 1
+                call[1] = max(call[1], -(-(s.pf_done + n) // ps))
+                pairs += n * s.pf_done + n * (n + 1) / 2
+                s.pf_done += n
+                s.pf_left -= n
+                budget -= n
+                rows += 1
+                work += n
+            if any(q.pf_left == 0 for q in prefilling):
+                done = [q for q in prefilling if q.pf_left == 0]
+                r.prefilling = prefilling = collections.deque(q for q in prefilling if q.pf_left)
+                for s in done:
+                    self._start(r, s)
+        while queue and len(running) + len(prefilling) < max_batch:
             s = queue[0]
             need = -(-(s.ctx + s.left) // ps) - s.kv_pages  # pages to the end of the turn
             entry = r.cache.get(s)
@@ -1139,39 +1183,57 @@ class SimBackend:
                 s.kv_version = r.version  # a hit was of this version; a miss prefills the chain anew under it
             ctx = s.ctx
             new = ctx - cached
-            if chunk_buckets:
-                call = calls.setdefault(_bucket(min(new, chunk_buckets[-1]), chunk_buckets), [0, 0])
-                call[0] += 1
-                call[1] = max(call[1], -(-ctx // ps))
             s.new_tokens = 0  # prefilled by this event
             prompt_tokens += ctx
             cached_tokens += cached
             prefill_tokens += new
-            pairs += new * cached + new * (new + 1) / 2
             r.used += need
             s.kv_pages += need
-            steps = r.steps
-            end = steps + s.left
-            s.start, s.end, s.ctx0 = steps, end, ctx
-            s.run = n = self._admissions
-            self._admissions = n + 1
-            r.ctx_base += ctx - steps
-            push(ends, (end, n, s))
-            if end > r.maxend or not running:
-                r.maxend = end
-            running[s] = None
+            if chunk_buckets:  # its first chunk, if the event has room for it
+                if budget > 0 and rows < row_cap:
+                    n = min(new, chunk, budget)
+                    call = calls.setdefault(_bucket(n, chunk_buckets), [0, 0])
+                    call[0] += 1
+                    call[1] = max(call[1], -(-(cached + n) // ps))
+                    budget -= n
+                    rows += 1
+                else:
+                    n = 0
+                pairs += n * cached + n * (n + 1) / 2
+                work += n
+                if n < new:  # the rest in the next events
+                    s.pf_left, s.pf_done = new - n, cached + n
+                    prefilling.append(s)
+                    continue
+            else:
+                pairs += new * cached + new * (new + 1) / 2
+                work += new
+            self._start(r, s)
         r.events += 1
-        if not prompt_tokens:
+        if not prompt_tokens and not calls:
             return 0.0
         self._prompt_tokens += prompt_tokens
         self._prompt_tokens_cached += cached_tokens
         self._prefill_tokens += prefill_tokens
-        seconds = self._prefill_time(prefill_tokens, cached_tokens, pairs, len(calls) or 1)
+        seconds = self._prefill_time(work, cached_tokens, pairs, len(calls) or 1)
         if self._program_s:  # programs this engine has not run yet (SimConfig.max_seq_len)
             for width, (rows, pages) in calls.items():
                 key = ("prefill", _bucket(rows, self._prefill_rows), width, _bucket(pages, self._prefill_pages))
                 seconds += self._program(r, key)
         return seconds
+
+    def _start(self, r: _Replica, s: _Seq) -> None:
+        """`s`'s turn runs from this event's decode on (its prefill done)."""
+        steps = r.steps
+        end = steps + s.left
+        s.start, s.end, s.ctx0 = steps, end, s.ctx
+        s.run = n = self._admissions
+        self._admissions = n + 1
+        r.ctx_base += s.ctx - steps
+        heapq.heappush(r.ends, (end, n, s))
+        if end > r.maxend or not r.running:
+            r.maxend = end
+        r.running[s] = None
 
     # ---------------------------------------------------------------- serving
 
@@ -1236,7 +1298,7 @@ class SimBackend:
                     self._retire(r, s)
                     self._turn_end(r, s, now if at_end else start + (end - first) * step)
         admitted = False
-        if r.queue or r.pending:
+        if r.queue or r.pending or r.prefilling:
             before = self._admissions
             prefill = self._admit(r)
             admitted = self._admissions != before
@@ -1244,10 +1306,11 @@ class SimBackend:
                 prefill *= self.measured.rollout_overlap_x
         else:
             prefill = 0.0
-        r.one_step = admitted or bool(r.queue)  # (read by `_walk` with SimConfig.engine_steps)
+        # (read by `_walk` with SimConfig.engine_steps: `Engine.step` decodes 1 step when it prefills or a turn waits)
+        r.one_step = admitted or bool(r.queue) or bool(r.prefilling)
         B = len(r.running)
         self._load_prefill += prefill
-        if B and self._call_overhead:  # measured costs: the rollout loop's host time per engine call
+        if (B or prefill) and self._call_overhead:  # measured costs: the rollout loop's host time per engine call
             prefill += self._call_overhead * (self.measured.rollout_overlap_x if self._host_jobs else 1.0)
         if B and self._program_s:  # the decode program of this batch's shape bucket, if this engine lacks it
             K = 1 if r.one_step else self._chunk
@@ -1255,7 +1318,7 @@ class SimBackend:
             pages = max(-(-(s.ctx0 + steps - s.start + K - 1) // self.ps) for s in r.running)
             key = ("decode", _bucket(B, self._decode_rows), _bucket(pages, self._decode_pages))
             prefill += self._program(r, key) * (self.measured.rollout_overlap_x if self._host_jobs else 1.0)
-        if not B:  # idle until something arrives
+        if not B and not prefill:  # idle until something arrives
             r.retry = False
             if busy:
                 self._busy_end(r, 0.0)
@@ -1266,7 +1329,7 @@ class SimBackend:
         if r.vlog[-1][1] != r.version:
             r.vlog.append((steps, r.version))
         r.span_start, r.span_prefill, r.span_steps, r.span_batch = now, prefill, steps, B
-        r.span_ctx_base, r.span_maxend, r.span_first_end = r.ctx_base, r.maxend, r.ends[0][0]
+        r.span_ctx_base, r.span_maxend, r.span_first_end = r.ctx_base, r.maxend, r.ends[0][0] if B else steps
         end: float
         if r.retry:
             r.retry = False
@@ -1338,7 +1401,7 @@ class SimBackend:
                 prefill = 0.0
         else:
             if self._engine_steps:  # `Engine.step`: 1 step in a call that prefills or leaves a turn waiting
-                K = 1 if r.one_step else chunk
+                K = (1 if r.one_step else chunk) if B else 0  # (no decode while all it runs still prefill)
             else:
                 K = maxend - steps
                 if K > chunk:
