@@ -4,7 +4,7 @@ configuration of benchmarks/goodput.py with the real controller, compare goodput
     python benchmarks/sim_validation.py [--quick] [--json out.json] [--measured PATH ...]
 
 **Measured side** (never run here: goodput.py takes minutes of both cores): the JSON rows of
-`benchmarks/goodput.py --json` runs, by default /tmp/notes/goodput_run1.json, goodput_run2.json and goodput_run3.json
+`benchmarks/goodput.py --json` runs, by default /tmp/notes/goodput_run1.json to goodput_run4.json
 (those present), or `--measured PATH ...`. Per mode, the mean goodput over the runs.
 
 **Calibration: what is set from what** (all measured by this script, in-process, in seconds; no
@@ -60,8 +60,9 @@ the fastest kept, since other processes on this shared machine only add time and
 - *the engine's own rules* (`SimConfig.engine_steps`, from `Engine`'s code): 1 decode step in a call that
   prefills, 8 otherwise; turns handed over when the call returns; at most 512 tokens of a sequence and 2048
   in all prefilled per call (a longer prefill, as a whole context after a weight update, goes on over the
-  next calls, each with a 1-step decode); one prefill call per chunk-length bucket; a group's prompt shared only once computed, the system prompt every task shares
-  (`shared_prefix`) once any prompt was prefilled under the version; a program per shape bucket.
+  next calls, each with a 1-step decode); one prefill call per chunk-length bucket; a group's prompt shared
+  only once computed, the system prompt every task shares (`shared_prefix`) once any prompt was prefilled
+  under the version; a program per shape bucket.
 
 **What the simulator cannot represent here** (so a ratio may differ for these reasons):
 - Core sharing is processor sharing at the measured factors; the rollout loop's host time is one
@@ -77,37 +78,29 @@ the fastest kept, since other processes on this shared machine only add time and
 - JAX dispatch jitter and the other processes on this shared machine (the two measured runs differ by
   up to 27% per mode: async 226 and 262 tok/s).
 
-**Results** (2026-11-30). Calibration /tmp/notes/sim_validation_s5_clean.json: one full run of this version
-on a quiet machine (498 s), 8 seeds over 4 sample draws. Measured: goodput.py runs 1 and 2 (before the
-ERS economics change) and run 3 (this version's code), /tmp/notes/goodput_run{1,2,3}.json. Ratio to sync
-(/tmp/notes/sim_validation_s5_final.json):
+**Results** (2026-11-30, session 6). Calibration /tmp/notes/sim_validation_s6.json: one full run of this version
+(496 s), 8 seeds over 4 sample draws. Measured: goodput.py runs 1-4, /tmp/notes/goodput_run{1,2,3,4}.json (runs 1
+and 2 before the ERS economics change, which only tiderl runs; runs 3 and 4 on this version's code). Ratio to sync:
 
-| mode | measured 3-8 (runs 1-3) | simulated | error | measured 6-8 | simulated | error | run 1 / 2 / 3 alone (3-8) |
-|---|---|---|---|---|---|---|---|
-| async | 1.029 | 1.196 | +16.2% | 1.393 | 1.243 | -10.8% | +25.0% / +10.2% / +14.6% |
-| tiderl | 1.382 | 1.249 | -9.6% | 1.427 | 1.220 | -14.5% | -1.4% / -13.9% / -12.5% |
-| limit | 1.337 | 1.325 | -0.9% | 1.380 | 1.393 | +0.9% | -7.8% / -3.4% / +9.8% |
+| mode | measured (runs 1-4) | simulated | error | run 1 / 2 / 3 / 4 alone | measured 6-8 | simulated 6-8 |
+|---|---|---|---|---|---|---|
+| async | 1.064 | 1.094 | +2.8% | +14.3% / +0.7% / +4.8% / -6.3% | 1.396 | 1.136 |
+| tiderl | 1.392 | 1.295 | -6.9% | +2.2% / -10.7% / -9.2% / -8.8% | 1.450 | 1.223 |
+| limit | 1.320 | 1.384 | +4.9% | -3.7% / +0.9% / +14.8% / +8.9% | 1.362 | 1.352 |
 
-Against runs 2 and 3 each, every mode is within 15%; run 1's async packed one update into 4
-micro-batches (10.9 s of training instead of 3.5 s), which no simulated draw does. The simulated ratios
-move with the draw (async 1.16-1.25, tiderl 1.06-1.48: a tiderl run that makes an ERS move, or finds
-other programs loaded by the async run before it in the same process, changes by up to 25%).
+Every mode is within 15% of the mean of the runs and of each run alone. The measured async / sync ratio
+itself moves from 0.96 (run 1: one update packed into 4 micro-batches, 10.9 s of training instead of 3.5 s)
+to 1.17 (run 4); the simulated ratios move with the sample draw (async 1.04-1.15, tiderl 1.24-1.34).
 
-Before the prefix-cache chain rule (`sim/backend.py`: a sequence's cached blocks hit only under the
-version its chain began in) async was +22.0% on runs 1-3: the real async trainer waits 6.0 / 4.1 / 4.1 s
-for data at updates 3-5 of run 3, then 1.4 / 1.6 / 1.1 s; the simulated one waited 3.4 / 1.8 / 1.5 s. A
-traced async-only goodput.py run (engine programs counted as `ModelRunner` adds them) met 57 distinct
-programs over the 8 updates, 24 first in updates 3-5 (10 / 8 / 6), among them prefills 512 tokens wide
-(whole contexts prefilled again); the simulation (seed 0) 38, 12 in updates 3-5, none that wide (caveat:
-in that traced run JAX started before goodput.py set the persistent cache, so each program compiled,
-~1.4 s, and its timing and batching differ from runs 1-3; the counts are indicative). The real async
-prefix-cache hit rate is 0.58 in runs 2-3 (0.63 in run 1); the simulated one was 0.64 and is 0.53-0.56
-with the chain rule. What is left for async: its early updates still wait longer than simulated; next
-step, count the real engine's programs and re-prefills per update with the persistent cache on.
-A helper's earlier partial calibration (s4's quiet raw measurements with this version's new ones from a
-contended run, /tmp/notes/sim_validation_s5.json) gave async +18.5%, tiderl -10.9%, limit -1.7% on runs 1-2.
-With runs 1-2 and the s4 model: async +17.7%, tiderl -5.3%, limit +0.2%. Against run 2 alone async
-is +11.5%, against run 1 +26.5% (its update 5 packed 4 micro-batches: 10.9 s of training instead of 3.5 s).
+What closed the gap (async was +16.2% on runs 1-3 before): a traced async run (every `ModelRunner` call
+timed, the engine's counters at every update) made 272 engine calls to the simulation's ~206, while sync's
+matched (376 and ~371). Async re-prefills whole contexts after weight updates (the prefix cache's chain
+rule), and the engine prefills at most 512 tokens of a sequence and 2048 in all per call, so a long re-prefill
+spans calls, each with a 1-step decode; the simulation prefilled it in one call. With the engine's rule
+(`SimConfig.prefill_budget`, checked against the real Engine's calls in tests/test_sim_validation.py), async
+went to +10.5% on the older calibration and +2.8% on this one. The late updates (6-8) remain under-predicted
+for async and tiderl (-18.6%, -15.7%): the real runs speed up more after their programs are all loaded than
+the simulated ones do.
 
 Output: a table and JSON rows with `mode`, `measured_goodput`, `simulated_goodput` (tokens/s, mean over
 `--seeds` simulation seeds), `measured_ratio` / `simulated_ratio` (goodput / sync goodput) and
@@ -158,7 +151,7 @@ LATENCY = (0.3, 1.0, 5.0)  # median s, sigma, cap s
 # rollout / ref / train devices of each mode's layout (goodput.py run_mode; sync: all 8 for everything)
 LAYOUTS = {"sync": (8, 0, 8), "async": (4, 0, 4), "tiderl": (4, 2, 2), "limit": (4, 2, 2)}
 MODES = ("sync", "async", "tiderl", "limit")
-DEFAULT_MEASURED = ["/tmp/notes/goodput_run1.json", "/tmp/notes/goodput_run2.json", "/tmp/notes/goodput_run3.json"]
+DEFAULT_MEASURED = [f"/tmp/notes/goodput_run{i}.json" for i in (1, 2, 3, 4)]
 
 
 # ------------------------------------------------------------------ workload from the demonstrations
