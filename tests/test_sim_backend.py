@@ -127,6 +127,24 @@ def test_decode_step_matches_costs():
     b.loop.close()
 
 
+def test_decode_load_reads_the_batch_against_what_a_replica_could_run(tmp_path):
+    # decode throughput at the run's mean batch over the throughput at the largest batch the KV holds at the
+    # mean context, both from the roofline (costs.decode_step_time)
+    summary, _, b = _run(tmp_path, "async")
+    load = b.decode_load()
+    batch, context = b._decode_tokens / b._load_steps, b._prompt_tokens / b._admissions
+    assert load["decode_batch"] == pytest.approx(batch) and 1 <= batch <= b.cfg.max_batch
+    limit = min(b.cfg.max_batch, b.capacity * b.ps / context)
+    assert load["decode_batch_limit"] == pytest.approx(limit)
+
+    def rate(n):
+        return n / costs.decode_step_time(b.shape, b.hw, n, n * context, devices=b.cfg.tp)
+    assert load["decode_capacity_used"] == pytest.approx(rate(batch) / rate(limit), rel=1e-9)
+    assert 0 < load["decode_capacity_used"] < 1 and 0 < load["prefill_share"] < 1
+    assert summary["decode_load"] == load
+    assert 0 < summary["admission_held_s"] <= summary["wall_s"]
+
+
 def _measured(**kw):
     base = dict(decode_step_s=0.02, decode_per_seq_s=0.0001, prefill_fixed_s=0.02, prefill_per_token_s=1e-5,
                 score_fixed_s=0.0, score_per_token_s=1e-4, update_fixed_s=0.0, update_per_token_s=4e-4,

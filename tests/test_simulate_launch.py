@@ -30,6 +30,10 @@ def test_every_mode_runs_and_the_outputs_are_written(tmp_path):
     assert anchors["goodput tiderl / sync"]["simulated"] == next(r["vs_sync"] for r in results["rows"]
                                                                  if r["mode"] == "tiderl")
     assert (tmp_path / "goodput.png").stat().st_size > 0 and (tmp_path / "timeline_tiderl.png").stat().st_size > 0
+    # what bounds each run, and the reading of the anchors it gives
+    assert "what bounds each run" in out.stdout and "latency-bound" in results["regime"]
+    assert all(0 < r["decode_batch"] <= r["decode_batch_limit"] and 0 < r["decode_capacity_used"] <= 1
+               and 0 <= r["admission_held"] <= 1 for r in results["rows"])
 
 
 def test_a_bad_mode_is_refused_by_name(tmp_path):

@@ -742,7 +742,9 @@ class Controller:
         s.update(mode=self.cfg.mode, kv_hit_rate=self.backend.kv_hit_rate(),
                  discarded=self.discarded, moves=len(self.moves), ers_refused=self.ers_refused,
                  borrows=len(self.borrows), borrows_refused=self.borrows_refused,
-                 syncs_failed=self.syncs_failed, ledger=dict(self.ledger))
+                 syncs_failed=self.syncs_failed, ledger=dict(self.ledger),
+                 admission_held_s=self._held_by_staleness_s + (self.clock() - self._held_since
+                                                               if self._held_since is not None else 0.0))
         return s
 
     async def shutdown(self) -> None:

@@ -919,6 +919,30 @@ class SimBackend:
         return dict(self.counters, replicas=len(self.replicas), kv_pages_per_replica=self.capacity,
                     kv_hit_rate=self.kv_hit_rate())
 
+    def decode_load(self) -> dict:
+        """How hard the replicas decoded over the run so far: `decode_batch`, the mean sequences per decode
+        step; `decode_batch_limit`, the most a replica could run at the mean context (KV pages and
+        `max_batch`); `decode_capacity_used`, the decode throughput at `decode_batch` over the throughput at
+        that limit (roofline costs; 1 for a replica that decodes as fast as it can, a few percent for one whose
+        memory-bound steps carry a handful of sequences: latency-bound); `prefill_share` of the replicas' busy
+        time. The mean context is the context tasks start their turns with. {} before any decoding. (From the
+        load signals ERS reads (`rollout_scaling`): events still in flight when the run stops are not in them.)"""
+        if not self._load_steps or not self._admissions:
+            return {}
+        batch = self._decode_tokens / self._load_steps
+        context = self._prompt_tokens / self._admissions
+        limit = max(1.0, min(float(self._max_batch), self.capacity * self.ps / max(context, 1.0)))
+        out = dict(decode_batch=batch, decode_batch_limit=limit,
+                   prefill_share=self._load_prefill / self._load_busy if self._load_busy else 0.0)
+        if self.measured is None:
+            def rate(b: float) -> float:  # tokens per second of a replica decoding b sequences of `context` tokens
+                # (`_decode_step`'s roofline; its batch is an integer when compiled, a mean batch is not)
+                flops = 2.0 * self._matmul_params * b + self._attn_per_pair * b * context
+                moved = self._param_bytes + self._kv_bytes * (b * context + b)
+                return b / max(flops / self._flops_rate, moved / self._bytes_rate)
+            out["decode_capacity_used"] = min(1.0, rate(batch) / rate(max(limit, batch)))
+        return out
+
     # ---------------------------------------------------------------- replicas
 
     def _rebuild(self) -> None:
@@ -1735,7 +1759,7 @@ def run(sim: SimConfig, controller_config, *, num_devices: int, logdir: str,
             asyncio.set_event_loop(None)
             controller.metrics.close()
             loop.close()
-    summary.update(sim=backend.stats())
+    summary.update(sim=backend.stats(), decode_load=backend.decode_load())
     return summary, controller, backend
 
 
