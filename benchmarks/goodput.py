@@ -183,9 +183,11 @@ def main():
     if {"sync", "async", "tiderl", "limit"} <= by.keys():
         g = {m: by[m]["goodput_tokens_per_s"] for m in by}
         wait = {m: by[m]["rollout_wait_s"] + by[m]["trainer_wait_s"] for m in by}
+        change = wait['tiderl'] / max(wait['sync'], 1e-9) - 1
         print(f"\ntiderl / limit {g['tiderl'] / g['limit']:.2f} (target >= 0.90), tiderl / sync "
               f"{g['tiderl'] / g['sync']:.2f}, tiderl / async {g['tiderl'] / g['async']:.2f}; total waiting "
-              f"{100 * (1 - wait['tiderl'] / max(wait['sync'], 1e-9)):.0f}% below sync (target >= 77%)")
+              f"{wait['tiderl']:.1f} device-s, {abs(change):.0%} {'below' if change <= 0 else 'above'} sync's "
+              f"{wait['sync']:.1f} (target: >= 77% below)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
