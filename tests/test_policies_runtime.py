@@ -392,6 +392,26 @@ def test_move_gain_with_the_rollouts_own_scaling_and_the_trainers_coupling():
             _econ(**bad)
 
 
+def test_a_rollout_that_outpaces_the_trainer_produces_a_batch_in_less_than_its_busy_time():
+    # backlog, trainer computes 8 s on 2 groups, the rollout was busy 10 s on 2 groups: as if one batch took
+    # it 10 s, a group more for the trainer (t' = 8 * 2/3) would leave a rollout of r' = 20:
+    # max(8, 10) - max(5.33, 20), a loss. But it delivered 2.5 batches in the step (the backlog grew): a batch
+    # took it 10 / 2.5 = 4 s, and R' = 4 + (20 - 10) / 2.5 = 8: max(8, 4) - max(5.33, 8) = 0
+    backlog = _ers(**BACKLOG)
+    e = _econ(train_busy_s=8.0, rollout_busy_s=10.0)
+    assert ers.move_gain(backlog, e, "train", "rollout") == pytest.approx(10 - 20)
+    assert ers.move_gain(backlog, dataclasses.replace(e, produced_batches=2.5), "train", "rollout") == \
+        pytest.approx(8 - 8)
+    # 4 batches: R' = 2.5 + 2.5 = 5, the trainer bounds the step: 8 - 5.33 a step
+    assert ers.move_gain(backlog, dataclasses.replace(e, produced_batches=4.0), "train", "rollout") == \
+        pytest.approx(8 - 8 * 2 / 3)
+    # the default (1 batch a step) is the rollout keeping pace; nothing delivered gives no rate to use
+    assert ers.move_gain(backlog, dataclasses.replace(e, produced_batches=0.0), "train", "rollout") == \
+        ers.move_gain(backlog, e, "train", "rollout")
+    with pytest.raises(ValueError, match="produced_batches"):
+        _econ(produced_batches=-1.0)
+
+
 def test_with_economics_the_best_allowed_move_wins():
     # a generation deficit whose cause is the staleness cycle, not rollout capacity: the ref group
     # joins the trainer (the paper's direction, ref -> rollout, would gain nothing)

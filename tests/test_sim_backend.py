@@ -92,6 +92,10 @@ def test_ers_moves_a_group(tmp_path):
     assert not backend.has_ref_devices
     assert len(backend.replicas) == len(backend.pool.devices_of("rollout"))  # tp = 1
     assert summary["steps"] == 6
+    # the batches the rollout delivered in the last step, for the economics: what reached the ready buffer
+    e = controller.ers_economics
+    assert e.produced_batches > 0 and e.produced_batches * controller.cfg.batch_samples == int(
+        e.produced_batches * controller.cfg.batch_samples)
 
 
 def test_sample_tasks_follows_sample_task_rule():

@@ -112,9 +112,13 @@ class MoveEconomics:
     # bound holds admission, each update frees the next samples (ours: 1 / (eta + 1) times the share
     # of the step the producer was held by it); 0: production is independent of the trainer
     train_coupling: float = 0.0
+    # batches of fresh samples the rollout delivered to the ready buffer during the last step (samples over the
+    # ideal batch): above 1 the backlog grew, so a batch took less than the rollout's busy time to produce
+    produced_batches: float = 1.0
 
     def __post_init__(self):
-        for name in ("train_busy_s", "rollout_busy_s", "move_cost_s", "horizon_steps", "ref_busy_s"):
+        for name in ("train_busy_s", "rollout_busy_s", "move_cost_s", "horizon_steps", "ref_busy_s",
+                     "produced_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ERS economics {name}={getattr(self, name)} must be >= 0")
         if not 0.0 <= self.scaling <= 1.0:
@@ -153,12 +157,13 @@ def move_gain(s: ERSSignals, e: MoveEconomics, to_role: str, from_role: str | No
     """Predicted seconds saved per step by moving one group from `from_role` to `to_role` (negative: a
     loss); `from_role` defaults to the other of rollout and train.
 
-    The step is bounded by the trainer's compute `t` and by the rollout's production time `R`
-    (`t + idle` when the trainer idled for data, else at least the rollout's compute `r`); only the
-    compute parts scale with devices, and the production follows the trainer by `train_coupling` k:
+    The step is bounded by the trainer's compute `t` and by the rollout's production time `R` of a batch
+    (`t + idle` when the trainer idled for data, else the rollout's compute `r` over the p batches it
+    delivered in the step, `produced_batches`); only the compute parts scale with devices, and the
+    production follows the trainer by `train_coupling` k:
 
         t' = t * speed(n) / speed(n +- 1),  r' = r * speed_r(m) / speed_r(m -+ 1),
-        R' = R - r + r' + k * (t' - t),     gain = max(t, R) - max(t', R')
+        R' = R + (r' - r) / p + k * (t' - t),     gain = max(t, R) - max(t', R')
 
     with n, m the train and rollout groups now, speed(j) = 1 + scaling * (j - 1) and speed_r the same
     with `rollout_scaling`. When the last ref group leaves, the ref pass (`ref_busy_s` on its f
@@ -188,8 +193,9 @@ def move_gain(s: ERSSignals, e: MoveEconomics, to_role: str, from_role: str | No
         r_new = r * _speed(m, c_r) / _speed(m + 1, c_r)
         if from_role == TRAIN:
             t_new = t * _speed(n, c) / _speed(n - 1, c)
-    production = t + s.trainer_idle_s if s.trainer_idle_s > 0 else r
-    production_new = production - r + r_new + e.train_coupling * (t_new - t)
+    p = e.produced_batches if e.produced_batches > 0 else 1.0  # (nothing delivered: no rate to divide by)
+    production = t + s.trainer_idle_s if s.trainer_idle_s > 0 else r / p
+    production_new = production + (r_new - r) / p + e.train_coupling * (t_new - t)
     return max(t, production) - max(t_new, production_new)
 
 

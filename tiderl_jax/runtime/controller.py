@@ -210,6 +210,7 @@ class Controller:
         self.cursor = 0  # next train task index
         self.running = 0  # samples in flight
         self.accepted = 0  # fresh samples accepted into the ready buffer
+        self._produced = self._produced_mark = 0  # samples that reached the ready buffer (ERS: per step)
         self.syncs_failed = 0
         # every admitted sample ends once: completed (then trained, or still ready at the end) or
         # dropped with its reason (`dropped:<reason>`); `dropped:stale` ones were completed first
@@ -359,6 +360,7 @@ class Controller:
         if group.trajectories:
             self._arrivals.append((group.arrived, len(group.trajectories)))
             self.accepted += len(group.trajectories)
+            self._produced += len(group.trajectories)
             if self.backend.has_ref_devices and self.ra2p_mode == ra2p.DECOUPLED:
                 group.ref_job = asyncio.ensure_future(self._score_ref(group))
             self.ready.append(group)
@@ -590,9 +592,11 @@ class Controller:
             cost = self.backend.move_cost_estimate()
         else:
             cost = self._compile_seconds()
+        produced, self._produced_mark = self._produced - self._produced_mark, self._produced
         return ers.MoveEconomics(train_busy_s=train_busy, rollout_busy_s=rollout_busy, move_cost_s=cost,
                                  horizon_steps=self.cfg.steps - self.step, scaling=self.ers_scaling,
-                                 ref_busy_s=ref_busy, rollout_scaling=rollout_scaling, train_coupling=coupling)
+                                 ref_busy_s=ref_busy, rollout_scaling=rollout_scaling, train_coupling=coupling,
+                                 produced_batches=produced / self.cfg.batch_samples)
 
     async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float, tokens: int):
         if self.cfg.mode != "tiderl":
