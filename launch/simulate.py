@@ -10,9 +10,9 @@ waiting, KV hit rate, ERS moves, BiDiRL borrows, wall seconds the simulation too
 headline numbers against the simulation's (`ANCHORS`), then what bounds each run (`load_table`: the rollout
 replicas' mean decode batch and the share of their decode throughput it uses, their prefill share, how long the
 staleness bound held admission) and the reading of the TideRL anchors it gives (`regime`), and writes
-`logdir/results.json` (one row per run, the anchors and that reading), `logdir/goodput.png` (goodput vs cluster size per mode) and, at the smallest
-size, `logdir/timeline_<mode>.png` (what each device lane did over virtual time, the controller's own
-`RunMetrics.plot_timeline`).
+`logdir/results.json` (one row per run, the anchors and that reading), `logdir/goodput.png` (goodput vs cluster
+size per mode) and, at the smallest size, `logdir/timeline_<mode>.png` (what each device lane did over virtual
+time, the controller's own `RunMetrics.plot_timeline`).
 """
 
 import dataclasses
@@ -282,9 +282,9 @@ def regime(rows: list[dict], eta: int) -> str:
     if cap == cap and cap < 0.5 and held > 0.5:
         return (facts + " The rollout is latency-bound: a step lasts as long as its slowest admitted tasks (turns "
                 "of memory-bound decode steps and environment waits), and what TideRL saves (re-prefill with CTB, "
-                "trainer time with RA2P, rollout devices with ERS) is not on that path. Our reading: the published "
-                "gains over async come from a rollout that runs near its capacity, which this preset's load does "
-                "not make; its batch and concurrency are assumed values (sim/workloads.py), not the paper's.")
+                "trainer time with RA2P, rollout devices with ERS) is not on that path. The load that decides "
+                "this (the batch, the concurrency, eta) is ours, not the paper's (sim/workloads.py, the config's "
+                "controller section).")
     return facts + " The rollout runs near its capacity: TideRL's savings are on its critical path."
 
 
