@@ -44,6 +44,36 @@ def _like(params_like, pure):
     return restored
 
 
+def _shapes(tree) -> dict[str, tuple]:
+    """Array path -> shape of every leaf with a shape (live arrays, or orbax's stored array metadata)."""
+    def name(key) -> str:  # a dict key, index or attribute alike (orbax stores integer keys as strings)
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves if hasattr(leaf, "shape")}
+
+
+def _shape_mismatch(like, stored) -> str:
+    """What differs between the target tree `like` and a checkpoint item's stored metadata, "" if nothing
+    is seen to. Path by path where both spell their paths alike (parameter trees), else the multiset of
+    shapes when both have as many arrays (a restore pairs arrays one to one, so different multisets cannot
+    restore); otherwise "" (orbax decides)."""
+    want, have = _shapes(like), _shapes(getattr(stored, "tree", stored))
+    if want.keys() == have.keys():
+        bad = [p for p in want if want[p] != have[p]]
+        if bad:
+            return (f"{len(bad)} arrays differ in shape, first {bad[0]}: {have[bad[0]]} in the checkpoint, "
+                    f"{want[bad[0]]} in the target")
+        return ""
+    if len(want) == len(have) and sorted(want.values()) != sorted(have.values()):
+        extra = sorted(set(have.values()) - set(want.values()))
+        return (f"its array shapes differ from the target's (shapes only in the checkpoint: {extra[:3]}"
+                f"{' ...' if len(extra) > 3 else ''})")
+    return ""
+
+
 class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
@@ -73,6 +103,15 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; "
                                   f"steps there: {self.all_steps()}")
         items = {name: ocp.args.StandardRestore(_abstract(_pure(tree))) for name, tree in like.items()}
+        try:  # shapes first: orbax's failed reads leave background tasks behind (and a less clear error)
+            stored = self.manager.item_metadata(step)
+            mismatch = {name: _shape_mismatch(_pure(tree), stored[name]) for name, tree in like.items()
+                        if name in stored}
+        except Exception:  # noqa: BLE001 - no readable metadata: the restore below names what is wrong
+            mismatch = {}
+        for name, what in mismatch.items():
+            if what:
+                raise CheckpointError(f"cannot restore step {step} from {self.directory}: {name!r}: {what}")
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
         except Exception as e:  # a damaged or mismatched checkpoint: name it, do not crash obscurely
