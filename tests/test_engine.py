@@ -253,6 +253,22 @@ def test_weight_swap_continue_records_versions_and_skips_stale_cache():
     assert stale.stats()["prompt_tokens_cached"] == 32
 
 
+def test_new_weights_under_the_same_version_do_not_reuse_the_prefix_cache():
+    # a warm start loaded again under version 0 (launch/train.py probes its policy while it trains): blocks
+    # computed with the first weights must not be served to the second
+    from flax import nnx
+    eng = _engine()
+    p = _prompts([33], seed=17)[0]
+    eng.generate([p], GREEDY)
+    new_params = _perturbed(MODEL, 2)
+    eng.update_params(new_params, version=0)
+    cached_before = eng.stats()["prompt_tokens_cached"]
+    assert eng.generate([p], GREEDY)[0].new_tokens == greedy(nnx.merge(nnx.graphdef(MODEL), new_params), p, 12)
+    assert eng.stats()["prompt_tokens_cached"] == cached_before
+    eng.generate([p], GREEDY)  # blocks of the new weights are reused
+    assert eng.stats()["prompt_tokens_cached"] == cached_before + 32
+
+
 def test_weight_swap_abort_reruns_the_turn_on_new_weights():
     from flax import nnx
     eng = _engine(decode_steps=2, on_update="abort")

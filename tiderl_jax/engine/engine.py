@@ -23,8 +23,9 @@ recompute mostly hits the cache when memory frees up soon; the rest is one fast 
 Weights: `update_params(params, version)` swaps the parameters between steps. Every generated token
 records the version that produced it. In-flight sequences continue on the new weights
 (`on_update="continue"`, as AReaL) or are rolled back to the start of their turn and rerun
-(`"abort"`); prefix-cache blocks are keyed by version, so older ones are not reused unless
-`reuse_stale_prefix_cache`.
+(`"abort"`); prefix-cache blocks are keyed by the weights they were computed with (each
+`update_params` call, whatever version it names: a warm start loaded twice under version 0 must not
+serve the first weights' KV), so older ones are not reused unless `reuse_stale_prefix_cache`.
 
 Images (vision models): a request, or a resume, may add tokens holding images (`vision.ImageSpan`,
 offsets relative to the tokens it adds). The sequence keeps them by absolute position on the host;
@@ -161,6 +162,7 @@ class Engine:
                                   attention_impl=config.attention_impl)
         self.pool = PagePool(config.num_pages, config.page_size)
         self.version = version
+        self._weights = 0  # weight swaps so far: what prefix-cache blocks are keyed by (`_cache_version`)
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self._arrivals = 0
@@ -291,6 +293,7 @@ class Engine:
         """Swaps in new weights (an nnx.State of the same model), effective from the next step."""
         self.runner.set_params(params)
         self.version = version
+        self._weights += 1  # a new key space for the prefix cache, even under the same version
         self._counters["param_updates"] += 1
         if self.config.on_update == "abort":
             for seq in self._seqs.values():
@@ -487,7 +490,7 @@ class Engine:
         seq.versions.extend([self.version if generated else -1] * n)
 
     def _cache_version(self) -> int:
-        return 0 if self.config.reuse_stale_prefix_cache else self.version
+        return 0 if self.config.reuse_stale_prefix_cache else self._weights
 
     def _drop_kv(self, seq: _Seq) -> None:
         for page in seq.pages:
