@@ -62,31 +62,21 @@ def _heldout(engine: Engine, tokenizer, cfg, rollout: RolloutConfig) -> dict:
 
 
 def _warm_start(controller: Controller, warm: Trainer, tokenizer, cfg, rollout: RolloutConfig) -> list[float]:
-    """SFT on the tasks' demonstrations (`sft.steps` at most); with `sft.target` > 0 it stops once the policy,
-    sampled at the rollout temperature, solves that share of probe tasks (another train stream: `probe_tasks`
-    x `probe_samples`), probed every `probe_every` steps from `min_steps` on: benchmarks/learning.py's rule.
-    The tool-call skill arrives abruptly, at a seed-dependent step, and GRPO learns only from groups whose
-    rewards differ, so a fixed step count either stops short (every reward 0: no gradient) or runs long.
-    Returns the NLL per step; the controller holds the last probed weights."""
+    """The SFT warm start (`sft.warm_start_until`): with `sft.target` > 0 it stops once the policy, loaded
+    into the controller and sampled at the rollout temperature, solves that share of `sft.probe_tasks` probe
+    tasks (another train stream) x `sft.probe_samples`; `sft.steps` caps it. Returns the NLL per step."""
     s = cfg.sft
-    target = s.get("target", 0.0)
     probe_tasks = sft.train_tasks(cfg.tasks, 0, s.get("probe_tasks", 16), cfg.seed + 1)
     sampled = dataclasses.replace(rollout, mode="request")
-    curve: list[float] = []
-    while len(curve) < s.steps:
-        n = min(s.get("probe_every", 25), s.steps - len(curve)) if target > 0 else s.steps
-        curve += sft.warm_start(warm, tokenizer, cfg.tasks, n, s.batch_size, seed=cfg.seed,
-                                log_every=s.log_every, first_task=len(curve) * s.batch_size)
-        if target <= 0 or len(curve) < s.get("min_steps", 0) or len(curve) >= s.steps:
-            continue
+
+    def probe() -> float:
         controller.load_policy(warm.params)
         groups = evaluate.sample_groups(controller.engine, tokenizer, probe_tasks, s.get("probe_samples", 4), sampled)
-        success = sum(t.reward for t in groups) / len(groups)
-        print(f"warm start step {len(curve)}: sampled success {success:.3f} on {len(probe_tasks)} probe tasks x "
-              f"{s.get('probe_samples', 4)} (target {target:.2f})", flush=True)
-        if success >= target:
-            break
-    return curve
+        return sum(t.reward for t in groups) / len(groups)
+    return sft.warm_start_until(warm, tokenizer, cfg.tasks, s.steps, s.batch_size, probe=probe,
+                                target=s.get("target", 0.0), min_steps=s.get("min_steps", 0),
+                                probe_every=s.get("probe_every", 25), seed=cfg.seed, log_every=s.log_every,
+                                log=lambda line: print(line, flush=True))
 
 
 def main(argv):

@@ -88,3 +88,25 @@ def warm_start(trainer: Trainer, tokenizer: Tokenizer, kinds: Sequence[str], num
                      sum(recent) / len(recent), len(recent) / (now - t_last), tokens_since / (now - t_last))
             t_last, tokens_since = now, 0
     return curve
+
+
+def warm_start_until(trainer: Trainer, tokenizer: Tokenizer, kinds: Sequence[str], max_steps: int, batch_size: int,
+                     *, probe, target: float, min_steps: int = 0, probe_every: int = 25, seed: int = 0,
+                     log_every: int = 10, log=print) -> list[float]:
+    """`warm_start` until `probe()` (the policy's success, sampled at the rollout temperature, on tasks the SFT
+    does not train on) reaches `target`, checked every `probe_every` steps from `min_steps` on, and never past
+    `max_steps` (benchmarks/learning.py's rule: the tool-call skill arrives abruptly, at a seed-dependent
+    step, and GRPO learns only from groups whose rewards differ). `target` <= 0: `max_steps` steps, no
+    probe. Returns the NLL per step."""
+    curve: list[float] = []
+    while len(curve) < max_steps:
+        n = min(probe_every, max_steps - len(curve)) if target > 0 else max_steps
+        curve += warm_start(trainer, tokenizer, kinds, n, batch_size, seed=seed, log_every=log_every,
+                            first_task=len(curve) * batch_size)
+        if target <= 0 or len(curve) < min_steps or len(curve) >= max_steps:
+            continue
+        success = probe()
+        log(f"warm start step {len(curve)}: sampled success {success:.3f} (target {target:.2f})")
+        if success >= target:
+            break
+    return curve
