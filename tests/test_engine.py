@@ -341,3 +341,14 @@ def test_a_sequence_larger_than_the_pool_is_refused_not_stalled():
         eng.resume(h, list(range(10)))
     eng.evict(h)
     assert eng.stats()["evictions"] == 1 and eng.stats()["pages_used"] == 0
+
+
+def test_coarse_buckets_compile_fewer_programs_with_the_same_outputs():
+    """bucket_growth=4 pads to powers of four: a quarter of the grid, outputs equal to the reference."""
+    prompts = _prompts([1, 5, 17, 33, 64, 90], seed=5)
+    fine, coarse = _engine(max_running=16), _engine(max_running=16, bucket_growth=4)
+    assert coarse.num_programs() <= fine.num_programs() / 2
+    for p, o in zip(prompts, coarse.generate(prompts, GREEDY)):
+        assert o.new_tokens == greedy(MODEL, p, 12)
+    with pytest.raises(ValueError, match="bucket_growth=3"):
+        EngineConfig(**SMALL, bucket_growth=3)

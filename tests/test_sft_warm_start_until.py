@@ -8,7 +8,7 @@ def _run(monkeypatch, successes, target=0.25, **kw):
     """SFT stubbed (one NLL per step); probe i returns `successes[i]`."""
     chunks, probes = [], iter(successes)
 
-    def warm_start(trainer, tok, kinds, n, batch, seed, log_every, first_task):
+    def warm_start(trainer, tok, kinds, n, batch, seed, log_every, first_task, progress=None):
         chunks.append((n, first_task))
         return [1.0] * n
     monkeypatch.setattr(sft, "warm_start", warm_start)

@@ -28,8 +28,14 @@ Truncation policy: a task whose context plus the next observation plus one more 
 would exceed `max_context` ends with `end_reason="context_limit"` and reward 0, keeping what it
 generated (the observation that does not fit is not appended), so no trajectory is longer than
 `max_context` and the trainer never has to cut one.
+A first prompt that leaves no room for one turn (its tokens plus `max_new_tokens` over `max_context`)
+is not a truncation but a configuration that cannot work for that task: it fails with
+`prompt_too_long`, the sizes stated, and a warning names the task.
 Failures: an environment exception or timeout ends the task (`env_error` / `env_timeout`, reward 0,
 the reason recorded); a refused engine request ends it with `engine_error`. Other tasks go on.
+An exception from the engine's step itself (a bad kernel choice, device out of memory, a compile
+error) ends the engine for every task: the driver records it, every pending turn and command fails
+with `EngineFailed` (naming the original error), and so does any later command; nothing waits forever.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import math
 import time
 import zlib
@@ -53,6 +60,15 @@ from tiderl_jax.model import chat, vision
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.model.vision import ImageSpan
 from tiderl_jax.policies import ctb
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailed(RuntimeError):
+    """The engine's step raised: the engine is unusable, so every turn and command fails with this.
+    `fatal`: the run cannot go on (the controller stops rather than fail every later sample)."""
+
+    fatal = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +127,34 @@ class _Driver:
         self._waiters: dict[int, asyncio.Future] = {}
         self._wake = asyncio.Event()
         self.stop = False
+        self.error: BaseException | None = None  # what the engine's step raised; the driver has ended
 
     def command(self, fn: Callable[[], object], wait_turn: bool = False) -> asyncio.Future:
         """Queues fn (run between steps). With wait_turn, the future gets the SequenceOutput of the
-        turn fn starts (fn must return its handle); otherwise fn's result."""
+        turn fn starts (fn must return its handle); otherwise fn's result. After an engine failure
+        the future has already failed with `EngineFailed`."""
         fut = asyncio.get_running_loop().create_future()
+        if self.error is not None:
+            fut.set_exception(self._failed())
+            return fut
         self._commands.append((fn, wait_turn, fut))
         self._wake.set()
         return fut
+
+    def _failed(self) -> EngineFailed:
+        e = EngineFailed(f"rollout engine step failed: {type(self.error).__name__}: {self.error}")
+        e.__cause__ = self.error
+        return e
+
+    def _fail_all(self, error: BaseException):
+        """The engine's step raised: every waiting turn and queued command fails with it."""
+        self.error = error
+        log.error("rollout engine step failed (%s: %s); failing every pending turn", type(error).__name__, error)
+        pending = [fut for _, _, fut in self._commands] + list(self._waiters.values())
+        self._commands, self._waiters = [], {}
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(self._failed())
 
     def _apply(self):
         commands, self._commands = self._commands, []
@@ -136,25 +172,35 @@ class _Driver:
     async def run(self):
         while not self.stop:
             self._apply()
-            if self.engine.has_work():
-                self.before_step()
-                with self.step_span():
-                    ended = await asyncio.to_thread(self.engine.step)
-                for h in ended:
-                    fut = self._waiters.pop(h, None)
-                    if fut is not None:
-                        self.on_turn_end(h)
-                    if fut is not None and not fut.done():
-                        try:
-                            fut.set_result(self.engine.get(h))
-                        except Exception as e:  # noqa: BLE001 - e.g. an engine worker refused it: that task fails
-                            fut.set_exception(e)
-            else:
+            try:
+                stepped = await self._step()
+            except Exception as e:  # noqa: BLE001 - the engine is broken: fail its waiters, never hang them
+                self._fail_all(e)
+                return
+            if not stepped:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.01)
                 except asyncio.TimeoutError:
                     pass
+
+    async def _step(self) -> bool:
+        """One engine step, if it has work (False if not); the turns it ended go to their waiters."""
+        if not self.engine.has_work():
+            return False
+        self.before_step()
+        with self.step_span():
+            ended = await asyncio.to_thread(self.engine.step)
+        for h in ended:
+            fut = self._waiters.pop(h, None)
+            if fut is not None:
+                self.on_turn_end(h)
+            if fut is not None and not fut.done():
+                try:
+                    fut.set_result(self.engine.get(h))
+                except Exception as e:  # noqa: BLE001 - e.g. an engine worker refused it: that task fails
+                    fut.set_exception(e)
+        return True
 
 
 class RolloutRunner:
@@ -215,6 +261,13 @@ class RolloutRunner:
             return self._fail(traj, s, "engine_error", str(e))
         context = encoded.ids
         traj.extend(context, generated=False, images=encoded.images)
+        if len(context) + cfg.max_new_tokens > cfg.max_context:  # not one turn fits: the config cannot work
+            room = cfg.max_context - cfg.max_new_tokens
+            log.warning("task %s: its prompt (%d tokens) leaves no room for a turn (rollout.max_context=%d, "
+                        "max_new_tokens=%d)", s.task.task_id, len(context), cfg.max_context, cfg.max_new_tokens)
+            return self._fail(traj, s, "prompt_too_long",
+                              f"the prompt is {len(context)} tokens; rollout.max_context={cfg.max_context} leaves "
+                              f"room for at most {room} with max_new_tokens={cfg.max_new_tokens}")
         stop = (self.tok.eos_id,)
         marks = [len(traj.tokens)]  # trajectory length after the prompt, then after each observation
         await admission.acquire(s, self._footprint(s, len(context)))
@@ -224,9 +277,6 @@ class RolloutRunner:
                 turn += 1
                 if turn >= cfg.max_turns:
                     traj.end_reason = "max_turns"
-                    break
-                if len(traj.tokens) + cfg.max_new_tokens > cfg.max_context:
-                    traj.end_reason = "context_limit"
                     break
                 seed = zlib.crc32(f"{cfg.seed}/{s.task.task_id}/{s.sample}".encode()) % 2**31
                 sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
@@ -400,7 +450,8 @@ class RolloutRunner:
             elif out.status.value in ("waiting", "prefilling", "running"):
                 self.engine.abort(h)
             self.engine.forget(h)
-        driver.command(end)
+        # nobody awaits it: after an engine failure its EngineFailed is read here, not logged as unread
+        driver.command(end).add_done_callback(lambda f: f.cancelled() or f.exception())
 
     # ------------------------------------------------------------------ many tasks
 

@@ -27,7 +27,7 @@ import operator
 import random
 import re
 import zlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from tiderl_jax.agents import sandbox, visual
 from tiderl_jax.agents.env import LatencyModel, Task, ToolEnvironment, ToolError
@@ -309,11 +309,24 @@ def make_env(task: Task, *, latency: LatencyModel = LatencyModel(), seed: int = 
     raise ValueError(f"task kind {task.kind!r} has no environment")
 
 
+IMAGE_KINDS = ("visual",)  # the kinds whose observations (and demonstrations) carry images
+
+
+def image_patch_size(kinds: Sequence[str], image_patch_dim: int) -> int:
+    """The patch size the images of tasks of `kinds` are cut with for a model with `image_patch_dim`
+    (`demonstration(patch_size=)`): 0 when no kind has images; ConfigError naming the problem when
+    one has and the model cannot read them (a text-only model, another patch size)."""
+    if not any(k in IMAGE_KINDS for k in kinds):
+        return 0
+    return visual.patch_size_of(image_patch_dim)
+
+
 def demonstration(task: Task, *, patch_size: int = 4) -> list[chat.Message]:
     """The ideal conversation for `task` (system, user, tool-calling turns, answer).
 
     A `visual` task's messages carry its images as patches of `patch_size` (the model's: image
-    tokens are (height / patch_size) * (width / patch_size)); other kinds have no images.
+    tokens are (height / patch_size) * (width / patch_size); ConfigError for a size that does not
+    cut them, 0 among those: a text-only model); other kinds have no images.
     """
     msgs = [chat.Message("system", SYSTEM_PROMPT), chat.Message("user", task.prompt)]
     if task.kind == "calculator":

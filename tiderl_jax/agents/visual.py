@@ -17,8 +17,10 @@ Two kinds of question, both verifiable:
 
 Images are raw uint8 pixels [height, width, 3]; the rollout patchifies them with the model's patch
 size. Sizes are multiples of 8, so patch sizes 1, 2, 4 and 8 all fit; with patch size 4 the overview
-is 4 image tokens and a zoom 16, one per cell. `task.answer` is the expected integers separated by
-spaces; the reward is 1 when the reply's last integers are those, else 0.
+is 4 image tokens and a zoom 16, one per cell. A model reads them only if its image_patch_dim is
+patch_size**2 * 3 for one of those sizes (`patch_size_of`); a text-only model cannot do this task.
+`task.answer` is the expected integers separated by spaces; the reward is 1 when the reply's last
+integers are those, else 0.
 
 Seeding and splits are `tasks.py`'s (`tasks.visual_task` draws from its seeded `random.Random`);
 this module only knows scenes, images, the tool, the score and the ideal conversation.
@@ -34,6 +36,7 @@ import numpy as np
 
 from tiderl_jax.agents.env import LatencyModel, Observation, Task, ToolEnvironment, ToolError
 from tiderl_jax.model import chat, vision
+from tiderl_jax.model.config import ConfigError
 
 GRID = 8  # cells per side
 CELL_PX = 4  # pixels per cell side in a zoomed quadrant
@@ -42,7 +45,40 @@ COLOURS = {"R": "red", "G": "green", "B": "blue", "Y": "yellow"}
 _RGB = {".": (0, 0, 0), "R": (255, 0, 0), "G": (0, 255, 0), "B": (0, 0, 255), "Y": (255, 255, 0)}
 QUADRANTS = {"top-left": (0, 0), "top-right": (0, GRID // 2), "bottom-left": (GRID // 2, 0),
              "bottom-right": (GRID // 2, GRID // 2)}  # name -> (first row, first column)
+CHANNELS = 3  # RGB
+PATCH_SIZES = (1, 2, 4, 8)  # the patch sizes that cut every image (sides 8 and 16 pixels) whole
 _HOW = "The image is a blurred overview of the grid; zoom into a quadrant to see it sharply."
+
+
+def _needs(got: str) -> ConfigError:
+    return ConfigError(f"the visual task needs a vision model: set model.image_patch_dim to "
+                       f"patch_size**2 * {CHANNELS} for a patch size in {PATCH_SIZES} (48 for patch size 4, "
+                       f"with model.max_image_patches >= {max_patches(4)} and model.image_token_id the "
+                       f"tokenizer's image placeholder); {got}")
+
+
+def check_patch_size(patch_size: int) -> None:
+    """ConfigError unless `patch_size` is one of PATCH_SIZES; 0 stands for a text-only model."""
+    if patch_size not in PATCH_SIZES:
+        raise _needs("got a text-only model (patch size 0)" if patch_size == 0
+                     else f"got patch size {patch_size}")
+
+
+def patch_size_of(image_patch_dim: int) -> int:
+    """The patch size of a model with `image_patch_dim` (= patch_size**2 * CHANNELS), which this task's
+    images are cut with; ConfigError naming the problem when there is none in PATCH_SIZES (0: a
+    text-only model)."""
+    size = next((p for p in PATCH_SIZES if p * p * CHANNELS == image_patch_dim), 0)
+    if not size:
+        raise _needs("the model is text-only (image_patch_dim=0)" if image_patch_dim == 0 else
+                     f"the model's image_patch_dim={image_patch_dim} is not one of those")
+    return size
+
+
+def max_patches(patch_size: int) -> int:
+    """Patches of the largest image (a zoom, 16x16 pixels) at `patch_size`: the model's
+    max_image_patches must hold them."""
+    return ((GRID // 2) * CELL_PX // patch_size) ** 2
 
 
 def quadrant_of(row: int, col: int) -> str:
@@ -129,7 +165,9 @@ class VisualEnvironment(ToolEnvironment):
 
 def demonstration(task: Task, patch_size: int) -> list[chat.Message]:
     """The ideal turns after the system message: the question with its overview, a zoom into the
-    right quadrant, the sharp quadrant, the answer. Images are patchified with `patch_size`."""
+    right quadrant, the sharp quadrant, the answer. Images are patchified with `patch_size` (the
+    model's; ConfigError when it is not one of PATCH_SIZES, e.g. 0 for a text-only model)."""
+    check_patch_size(patch_size)
     grid, quadrant = task.data["grid"], task.data["quadrant"]
     answer = task.answer
     if task.data["question"] == "locate":

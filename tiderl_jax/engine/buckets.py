@@ -8,11 +8,12 @@ def bucket(n: int, buckets) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+def pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+    """lo, lo * factor, lo * factor**2, ... below hi, then hi (factor 2: powers of two)."""
     out, b = [], lo
     while b < hi:
         out.append(b)
-        b *= 2
+        b *= factor
     return tuple(out) + (hi,)
 
 

@@ -70,12 +70,25 @@ class EngineConfig:
     on_update: str = "continue"  # "continue" | "abort"
     attention_impl: str = "xla"  # "xla" | "reference" | "pallas"
     max_stop_ids: int = 8
+    # How far apart the shape buckets are (each bucket is one compiled program per shape): 2 = powers of
+    # two (decode's attention span 1.5x apart); 4 = powers of four everywhere (decode spans 2x apart):
+    # about a quarter of the programs to compile, for more padding per call (a short job's choice).
+    bucket_growth: int = 2
 
     def __post_init__(self):
         if self.on_update not in ("continue", "abort"):
             raise ValueError(f"on_update={self.on_update!r} is not 'continue' or 'abort'")
         if self.prefill_policy not in ("static", "ppas"):
             raise ValueError(f"prefill_policy={self.prefill_policy!r} is not 'static' or 'ppas'")
+        from tiderl_jax.engine.paged_attention import PAGED_ATTENTION
+        if self.attention_impl not in PAGED_ATTENTION:
+            raise ValueError(f"attention_impl={self.attention_impl!r} is not one of {sorted(PAGED_ATTENTION)}")
+        for name in ("page_size", "num_pages", "max_seq_len", "max_running", "prefill_chunk", "max_prefill_rows",
+                     "prefill_budget", "decode_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.bucket_growth not in (2, 4):
+            raise ValueError(f"bucket_growth={self.bucket_growth} is not 2 or 4")
         if self.max_seq_len % self.page_size:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be a multiple of page_size")
 
@@ -169,11 +182,13 @@ class Engine:
         max_pages = config.max_seq_len // config.page_size
         # Decode reads its whole attention span every step: fine buckets. A prefill's span costs
         # little next to its chunk: coarse ones (fewer programs to compile).
-        self._page_buckets = half_pow2_buckets(min(4, max_pages), max_pages)
-        self._prefill_page_buckets = pow2_buckets(min(4, max_pages), max_pages)
-        self._row_buckets = pow2_buckets(min(8, config.max_running), config.max_running)
-        self._prefill_row_buckets = pow2_buckets(1, min(config.max_prefill_rows, config.max_running))
-        self._chunk_buckets = pow2_buckets(min(16, config.prefill_chunk), config.prefill_chunk)
+        g = config.bucket_growth
+        self._page_buckets = (half_pow2_buckets(min(4, max_pages), max_pages) if g == 2
+                              else pow2_buckets(min(4, max_pages), max_pages))
+        self._prefill_page_buckets = pow2_buckets(min(4, max_pages), max_pages, g)
+        self._row_buckets = pow2_buckets(min(8, config.max_running), config.max_running, g)
+        self._prefill_row_buckets = pow2_buckets(1, min(config.max_prefill_rows, config.max_running), g)
+        self._chunk_buckets = pow2_buckets(min(16, config.prefill_chunk), config.prefill_chunk, g)
         self._compile_s_before_move = 0.0  # compile seconds of runners replaced by `move_to`
         self._counters = dict(steps=0, prefill_calls=0, decode_calls=0, prompt_tokens=0,
                               prompt_tokens_cached=0, prefill_tokens_computed=0, decode_tokens=0,

@@ -70,6 +70,7 @@ class JaxBackend:
         self.runner = RolloutRunner(self.engine, tokenizer, dataclasses.replace(
             rollout_config, mode="ctb" if mode == "tiderl" else "request"))
         self.sync = WeightSync()
+        self.last_sync_error: str | None = None  # the last failed publish's error and stage (None after a success)
 
     clock = staticmethod(time.perf_counter)
 
@@ -110,6 +111,8 @@ class JaxBackend:
         return dict(out, compile_s=self.trainer.compile_s - compiled)
 
     async def publish(self, version: int) -> bool:
+        """The trainer's weights to the engine as `version`; False (the reason in `last_sync_error`)
+        when the sync failed and rolled back."""
         if self.engine_workers:  # a host copy to the parameter service, the worker and its standby
             await asyncio.to_thread(self.engine.update_params, self.trainer.params, version)
             return True
@@ -118,7 +121,9 @@ class JaxBackend:
             return self.sync.publish(self.trainer.params, version,
                                      target_shardings=self.engine.runner.param_shardings,
                                      drain=lambda: None, swap=self.engine.update_params)
-        return (await self.runner.command(swap)).ok
+        record = await self.runner.command(swap)
+        self.last_sync_error = None if record.ok else f"{record.error} (at the {record.stage} stage)"
+        return record.ok
 
     async def move(self, from_role: str, to_role: str) -> None:
         """One device group changes role; only the parts whose devices changed move (the trainer

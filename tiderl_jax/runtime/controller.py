@@ -66,7 +66,12 @@ if TYPE_CHECKING:  # the JAX side is imported only when a JaxBackend is built (t
 log = logging.getLogger(__name__)
 
 MODES = ("sync", "async", "tiderl")
-FAILED_GROUPS_LIMIT = 8  # groups in a row whose every sample raised before the producer gives up
+# groups in a row whose every sample raised (or had a prompt that cannot fit: `prompt_too_long`) before
+# the producer gives up
+FAILED_GROUPS_LIMIT = 8
+# weight syncs in a row that failed before the run stops (sooner when the staleness bound is lower:
+# a rollout more than eta versions behind makes only samples that are dropped as stale)
+SYNC_FAILURES_LIMIT = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +153,7 @@ class _Group:
     trajectories: list = dataclasses.field(default_factory=list)
     launched: int = 0  # samples started in this process (a resumed group keeps its finished ones)
     finished: int = 0  # of those, how many ended (completed or dropped)
-    errors: int = 0  # of those, how many raised
+    errors: int = 0  # of those, how many raised or could never run (`prompt_too_long`)
     dropped: list = dataclasses.field(default_factory=list)  # samples that ended without training data
     arrived: float = 0.0  # when its last sample finished
     ref_job: asyncio.Future | None = None  # decoupled ref scoring in flight
@@ -212,6 +217,8 @@ class Controller:
         self.accepted = 0  # fresh samples accepted into the ready buffer
         self._produced = self._produced_mark = 0  # samples that reached the ready buffer (ERS: per step)
         self.syncs_failed = 0
+        self._syncs_failed_in_row = 0  # past SYNC_FAILURES_LIMIT the run stops with the last sync's error
+        self._sync_error = ""
         # every admitted sample ends once: completed (then trained, or still ready at the end) or
         # dropped with its reason (`dropped:<reason>`); `dropped:stale` ones were completed first
         self.ledger: collections.Counter = collections.Counter()
@@ -232,10 +239,14 @@ class Controller:
         self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
         self._stop = False
-        # groups in a row whose every sample raised (a broken rollout side): past FAILED_GROUPS_LIMIT the
-        # producer stops with the last error instead of admitting (and failing) more forever
+        # groups in a row whose every sample raised (a broken rollout side) or had a prompt too long for
+        # the context: past FAILED_GROUPS_LIMIT the producer stops with the last error instead of
+        # admitting (and failing) more forever
         self._failed_groups = 0
         self._last_error = ""
+        # a sample's error that no later sample can escape (one marked `fatal`: `rollout.EngineFailed`,
+        # the engine's step raised): the producer stops admitting and the trainer raises it at once
+        self._fatal = ""
         # BiDiRL
         self.borrows: list[dict] = []  # every borrow: step, borrower, devices, predicted gain / cost, seconds
         self.borrows_refused = 0
@@ -276,7 +287,7 @@ class Controller:
 
     async def _produce(self):
         G = self.cfg.group_size
-        while not self._stop:
+        while not self._stop and not self._fatal:
             if self._failed_groups >= FAILED_GROUPS_LIMIT:
                 raise RuntimeError(f"every sample of the last {self._failed_groups} groups failed (last: "
                                    f"{self._last_error}); the rollout side is broken, so no more tasks are admitted")
@@ -333,14 +344,23 @@ class Controller:
             self._sample_done(group, sample, traj)
 
     def _sample_done(self, group: _Group, sample: int, traj) -> None:
-        """One sample ended (a trajectory, or the exception that ended it)."""
+        """One sample ended (a trajectory, or the exception that ended it). An exception marked `fatal`
+        (the rollout engine is broken) ends the run: the trainer is woken to raise it. A prompt too
+        long for the context (`prompt_too_long`) counts as an error toward FAILED_GROUPS_LIMIT: one
+        such task is dropped, a configuration where none fits stops the run with the reason."""
         if isinstance(traj, Exception):
             log.warning("sample %d of group %d failed: %s: %s", sample, group.gid, type(traj).__name__, traj)
             self._last_error = f"{type(traj).__name__}: {traj}"
             group.errors += 1
+            if getattr(traj, "fatal", False) and not self._fatal:
+                self._fatal = self._last_error
+                self._wake.set()
             traj, reason = None, f"error:{type(traj).__name__}"
         else:
             reason = traj.end_reason if traj.failure else None
+            if reason == "prompt_too_long":
+                self._last_error = f"prompt_too_long: {traj.failure}"
+                group.errors += 1
         group.finished += 1
         if reason is None:
             group.trajectories.append(traj)
@@ -370,11 +390,23 @@ class Controller:
         """Admitted samples that have not ended yet (running, or cut off by a stop)."""
         return sum(g.launched - g.finished for g in self.in_flight.values())
 
-    def _check_producer(self) -> None:
-        """Raises what killed the producer (the trainer would otherwise wait for data forever)."""
+    def _check_run(self) -> None:
+        """Raises what must end the run (the trainer would otherwise wait for data forever, or train
+        on while nothing reaches the rollout): the rollout engine failed; weight syncs failed
+        SYNC_FAILURES_LIMIT times in a row, or more than eta times (the rollout, more than eta
+        versions behind, would make only samples dropped as stale, and with no step no sync is
+        tried again); or the producer died (e.g. FAILED_GROUPS_LIMIT). The error is named."""
+        if self._fatal:
+            raise RuntimeError(f"the rollout failed and cannot go on ({self._fatal}); the run stops")
+        failed, eta = self._syncs_failed_in_row, self.cfg.staleness.eta
+        if failed >= min(SYNC_FAILURES_LIMIT, eta + 1):
+            raise RuntimeError(f"{failed} weight syncs in a row failed (the last, {self._sync_error}); the "
+                               f"rollout is stuck on weights {failed} versions old (staleness bound eta={eta}), "
+                               "so the run stops")
         producer = getattr(self, "_producer", None)
         if producer is not None and producer.done() and not producer.cancelled() and producer.exception():
-            raise RuntimeError("the rollout producer failed; no more data will arrive") from producer.exception()
+            raise RuntimeError(f"the rollout producer failed ({producer.exception()}); no more data will "
+                               "arrive") from producer.exception()
 
     def _drop_stale(self, group: _Group) -> int:
         """Drops the group's samples whose oldest token is more than eta versions behind now;
@@ -404,7 +436,9 @@ class Controller:
     # ------------------------------------------------------------------ the trainer loop
 
     async def _take_batch(self):
-        """Waits for `groups_per_step` ready groups; returns them with the measured signals."""
+        """Waits for `groups_per_step` ready groups; returns them with the measured signals. Raises
+        (`_check_run`) before the step and while waiting when the run cannot go on."""
+        self._check_run()
         t0 = self.clock()
         ras = min(len(self.ready), self.cfg.groups_per_step)
         hol = t0 - self.ready[0].arrived if self.ready else 0.0
@@ -416,7 +450,7 @@ class Controller:
             lent = await self._rollout_borrow(batch) if self.cfg.bidirl else None
             while len(batch) < self.cfg.groups_per_step:
                 while not self.ready:
-                    self._check_producer()
+                    self._check_run()
                     self._wake.clear()
                     await self._wake.wait()
                     arrivals.append(self.clock())
@@ -548,11 +582,21 @@ class Controller:
             borrower_unit=self.backend.borrow_unit(bidirl.TRAIN), scaling=1.0))
 
     async def _publish(self, version: int):
+        """Sends the new weights to the rollout. A failed sync leaves the rollout on its previous
+        weights and the run goes on; failures in a row past the limit (`_check_run`; a success
+        resets the count) stop it at the next step with the last sync's error (the backend's
+        `last_sync_error`)."""
         with self.metrics.span("train", "sync"):
             ok = await self.backend.publish(version)
-        if not ok:
-            self.syncs_failed += 1
-            log.warning("weight sync to version %d failed; the rollout keeps its previous weights", version)
+        if ok:
+            self._syncs_failed_in_row = 0
+            return
+        self.syncs_failed += 1
+        self._syncs_failed_in_row += 1
+        error = getattr(self.backend, "last_sync_error", None) or "the backend recorded no error"
+        self._sync_error = f"to version {version}: {error}"
+        log.warning("weight sync to version %d failed (%s); the rollout keeps its previous weights (%d in a row)",
+                    version, error, self._syncs_failed_in_row)
 
     def _compile_seconds(self) -> float:
         return self.backend.compile_s()

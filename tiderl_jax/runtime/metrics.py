@@ -133,9 +133,13 @@ class RunMetrics:
                 self.writer.add_scalar(k, v, step)
         self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self.jsonl.flush()
-        log.info("step %d/%d  %.1fs  reward %.3f  goodput %.0f tok/s  loss %.4f  step time %.1fs", step,
-                 self.total_steps, now, values.get("reward", float("nan")), values["goodput_tokens_per_s"],
-                 values.get("loss", float("nan")), self.step_times[-1] if self.step_times else now)
+        from tiderl_jax.progress import format_seconds
+        recent = self.step_times[-5:] or [now]
+        eta = (self.total_steps - step) * sum(recent) / len(recent)
+        log.info("RL step %d/%d  %.1fs  reward %.3f  goodput %.0f tok/s  loss %.4f  step time %.1fs  ETA %s",
+                 step, self.total_steps, now, values.get("reward", float("nan")), values["goodput_tokens_per_s"],
+                 values.get("loss", float("nan")), self.step_times[-1] if self.step_times else now,
+                 format_seconds(eta))
 
     def waiting(self) -> dict[str, float]:
         """Device-seconds each lane was idle so far."""

@@ -1,0 +1,97 @@
+"""The main job (`launch/train.py`) end to end at tiny settings: the success path with its outputs, Ctrl-C
+in each phase (saved, and the same command resumes), the warm start from scratch on the visual task,
+and an engine that fails (the run ends with the error named, no traceback, nothing hangs)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT
+
+TINY = ["--config.controller.steps=3", "--config.eval.tasks=4", "--config.controller.groups_per_step=2",
+        "--config.controller.group_size=2", "--config.controller.max_concurrent=8", "--config.rollout.max_turns=2",
+        "--config.rollout.max_new_tokens=32", "--config.latency.median_s=0.01", "--config.latency.sigma=0.0"]
+
+
+def _start(logdir, *args):
+    return subprocess.Popen([sys.executable, "launch/train.py", f"--config.logdir={logdir}", *TINY, *args],
+                            cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _interrupt_at(proc, marker: str, timeout: float = 240) -> str:
+    """Reads the job's output until `marker` appears, sends SIGINT, returns all the output."""
+    seen, t0 = [], time.monotonic()
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            proc.send_signal(signal.SIGINT)
+            break
+        assert time.monotonic() - t0 < timeout, "".join(seen)[-3000:]
+    rest, _ = proc.communicate(timeout=120)
+    return "".join(seen) + rest
+
+
+def _finish(proc) -> str:
+    out, _ = proc.communicate(timeout=300)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_interrupted_in_each_phase_it_resumes_and_reports_the_learning_statistics(tmp_path):
+    out = _interrupt_at(_start(tmp_path), "held-out before (greedy)")
+    assert "interrupted in held-out before" in out, out[-3000:]
+    assert "Traceback" not in out
+    proc = _start(tmp_path)
+    out = _interrupt_at(proc, "RL step 1/3")
+    assert proc.returncode == 130 and "run the same command to resume" in out, out[-3000:]
+    assert "Traceback" not in out
+    proc = _start(tmp_path)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out and "Traceback" not in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["heldout_tasks"] == 4 and summary["steps"] >= 1
+    low, high = summary["heldout_gain_ci95"]
+    assert low <= summary["heldout_gain"] <= high
+    assert summary["rl_wall_s"] > 0 and set(summary["phases_s"]) >= {"start", "RL", "held-out after"}
+    for png in ("learning.png", "timeline.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    assert "held-out greedy" in out and "95% CI" in out
+    # the same log directory with another configuration is refused, not silently resumed
+    r = subprocess.run([sys.executable, "launch/train.py", f"--config.logdir={tmp_path}", *TINY,
+                        "--config.controller.mode=sync"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "holds a run of another configuration (controller.mode" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.timeout(600)
+def test_the_visual_task_warm_starts_from_scratch_and_an_interrupted_warm_start_resumes(tmp_path):
+    vision = ["--config.tasks=visual", "--config.warm_start=scratch", "--config.model.image_patch_dim=48",
+              "--config.model.max_image_patches=16", "--config.sft.steps=6", "--config.sft.target=0",
+              "--config.sft.log_every=1", "--config.sft.batch_size=4", "--config.sft.row_len=1024",
+              "--config.controller.steps=1"]
+    proc = _start(tmp_path, *vision)
+    out = _interrupt_at(proc, "warm start step 2/6")
+    assert proc.returncode == 130 and "warm start: saved at step" in out and "Traceback" not in out, out[-3000:]
+    proc = _start(tmp_path, *vision)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "warm start: resumed at step" in out
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_engine_step_ends_the_run_with_the_error_named(tmp_path):
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "launch/train.py", f"--config.logdir={tmp_path}", *TINY,
+                        "--config.engine.attention_impl=pallas"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 1, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "no Pallas paged-attention kernel is registered" in errors[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and (tmp_path / "error.log").exists()
+    assert time.monotonic() - t0 < 200

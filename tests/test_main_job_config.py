@@ -1,0 +1,100 @@
+"""The main job's configuration checks: every one runs before a model is built, and every bad input ends
+the job with status 2 and one line naming the key or file (no traceback)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from tiderl_jax import config as config_lib
+from tiderl_jax.model.config import ConfigError
+
+
+def _config(**overrides):
+    spec = importlib.util.spec_from_file_location("tiny_agentic", ROOT / "configs" / "tiny_agentic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    with c.unlocked():
+        c.checkpoint = str(ROOT / c.checkpoint)
+        for key, value in overrides.items():
+            node = c
+            *path, last = key.split(".")
+            for part in path:
+                node = node[part]
+            node[last] = value
+    return c
+
+
+def _error(**overrides) -> str:
+    with pytest.raises(ConfigError) as e:
+        config_lib.check_main_job(_config(**overrides), num_devices=8)
+    return str(e.value)
+
+
+def test_the_default_config_passes_and_every_section_option_is_settable():
+    c = _config()
+    config_lib.check_main_job(c, num_devices=8)
+    controller, trainer, engine, rollout, warm = config_lib.rl_configs(_config(**{
+        "engine.prefill_policy": "ppas", "controller.env_workers": True, "controller.engine_workers": False,
+        "rollout.readiness_aware": True, "rollout.weights.is_active": 5.0, "trainer.b2": 0.99,
+        "loss.kl_coef": 0.01}))
+    assert engine.prefill_policy == "ppas" and controller.env_workers and rollout.readiness_aware
+    assert rollout.weights.is_active == 5.0 and trainer.b2 == 0.99 and trainer.loss.kl_coef == 0.01
+    assert warm.learning_rate == c.sft.learning_rate
+
+
+def test_tasks_given_as_one_comma_separated_string_are_kinds():
+    c = _config(tasks=("calculator, lookup",))  # what --config.tasks=calculator,lookup parses to
+    config_lib.check_main_job(c, num_devices=8)
+    assert tuple(c.tasks) == ("calculator", "lookup")
+    assert "unknown kind(s) ['lokup']" in _error(tasks=("calculator,lokup",))
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("engine.page_size", 0, "engine.page_size=0 must be >= 1"),
+    ("sft.steps", 0, "sft.steps=0 must be >= 1"),
+    ("eval.tasks", -1, "eval.tasks=-1 must be >= 1"),
+    ("trainer.row_len", 512, "rollout.max_context=1024 exceeds trainer.row_len=512"),
+    ("engine.max_seq_len", 512, "rollout.max_context=1024 exceeds engine.max_seq_len=512"),
+    ("model.max_position_embeddings", 256, "exceeds the model's max_position_embeddings=256"),
+    ("rollout.max_new_tokens", 2048, "rollout.max_new_tokens=2048 must be below rollout.max_context=1024"),
+    ("controller.rollout_groups", 3, "= 10 devices, but there are 8"),
+    ("warm_start", "pretrained", "warm_start='pretrained' is not one of"),
+    ("checkpoint", "/nonexistent/ckpt", "checkpoint='/nonexistent/ckpt': no such directory"),
+    ("controller.mode", "fast", "controller.mode='fast' is not one of"),
+    ("engine.prefill_policy", "greedy", "prefill_policy='greedy'"),
+])
+def test_bad_values_are_named(key, value, needle):
+    overrides = {key: value}
+    if key == "model.max_position_embeddings":
+        overrides["warm_start"] = "scratch"  # the config's model (the checkpoint's has its own)
+    assert needle in _error(**overrides)
+
+
+def test_the_visual_task_needs_a_vision_model():
+    assert "image_patch_dim" in _error(tasks=("visual",))
+    assert "image_patch_dim" in _error(tasks=("visual",), warm_start="scratch")
+
+
+def _train(*args, timeout=120):
+    return subprocess.run([sys.executable, "launch/train.py", *args], cwd=ROOT, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(r, needle):
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_entry_point_errors_exit_2_with_one_line(tmp_path):
+    _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.engine.page_size=0"), "engine.page_size=0")
+    _one_line_error(_train("--config=configs/nope.py"), "configs/nope.py")
+    _one_line_error(_train("--config=configs/nope.py", "--config.controller.steps=2"), "configs/nope.py")
+    _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.rollout.max_context=192",
+                           "--config.rollout.max_new_tokens=64"), "prompt")

@@ -1,0 +1,86 @@
+"""The main job's learning plot: what a person looks at to see whether RL learned.
+
+Left: the train reward of every update (the batch's mean over its GRPO samples) with its running mean,
+and the mean response length on a second axis. Right: held-out success before and after RL, greedy
+and sampled, pooled and by task kind, with the pooled gain's 95% paired-bootstrap interval in the title.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _steps(metrics_jsonl: str) -> list[dict]:
+    rows = {}
+    if os.path.exists(metrics_jsonl):
+        with open(metrics_jsonl) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "step" in row:
+                    rows[row["step"]] = row  # a resumed run logs its later steps again: the last wins
+    return [rows[k] for k in sorted(rows)]
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, path: str) -> str:
+    """Writes the PNG (module docstring); `before` / `after`: {"greedy"|"sampled": heldout_results},
+    `gains`: {"greedy"|"sampled": (mean, low, high)}. Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _steps(metrics_jsonl)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    steps = [r["step"] for r in rows]
+    reward = [r.get("reward", float("nan")) for r in rows]
+    left.plot(steps, reward, "o", color="tab:blue", alpha=0.35, label="train reward (per update)")
+    window = max(1, len(reward) // 8)
+    running = [_mean(reward[max(0, i - window + 1):i + 1]) for i in range(len(reward))]
+    left.plot(steps, running, "-", color="tab:blue", label=f"running mean ({window} updates)")
+    left.set_xlabel("RL update")
+    left.set_ylabel("reward")
+    left.set_ylim(-0.02, 1.02)
+    left.grid(alpha=0.3)
+    if rows and "response_tokens" in rows[0]:
+        twin = left.twinx()
+        twin.plot(steps, [r["response_tokens"] for r in rows], color="tab:gray", alpha=0.6, lw=1)
+        twin.set_ylabel("mean response tokens", color="tab:gray")
+    left.legend(loc="upper left", fontsize=8)
+    left.set_title("training reward")
+
+    kinds = sorted(set(before["greedy"]["kinds"]))
+    groups = ["all"] + kinds if len(kinds) > 1 else ["all"]
+    width = 0.2
+    for j, (name, when, results) in enumerate((("greedy", "before", before), ("greedy", "after", after),
+                                               ("sampled", "before", before), ("sampled", "after", after))):
+        r = results[name]
+        vals = []
+        for g in groups:
+            xs = [x for x, k in zip(r["rewards"], r["kinds"]) if g == "all" or k == g]
+            vals.append(_mean(xs))
+        xs = [i + (j - 1.5) * width for i in range(len(groups))]
+        color = {"greedy": "tab:green", "sampled": "tab:orange"}[name]
+        right.bar(xs, vals, width, color=color, alpha=0.45 if when == "before" else 0.95,
+                  label=f"{name} {when}")
+    right.set_xticks(range(len(groups)), groups)
+    right.set_ylim(0, 1.02)
+    right.set_ylabel("held-out success")
+    right.grid(axis="y", alpha=0.3)
+    right.legend(fontsize=8, ncol=2)
+    n = len(before["greedy"]["rewards"])
+    d, lo, hi = gains["greedy"]
+    ds, los, his = gains["sampled"]
+    right.set_title(f"held-out ({n} tasks): greedy gain {d:+.3f} [{lo:+.3f}, {hi:+.3f}], "
+                    f"sampled {ds:+.3f} [{los:+.3f}, {his:+.3f}] (95% CI)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
