@@ -1,7 +1,6 @@
 """The main job's learning plot: what a person looks at to see whether RL learned.
 
-Left: the train reward of every update (the batch's mean over its GRPO samples) with its running mean,
-and the mean response length on a second axis. Right: held-out success before and after RL, greedy
+Left: the train reward of every update (the batch's mean over its GRPO samples) with its running mean. Right: held-out success before and after RL, greedy
 and sampled, pooled and by task kind, with the pooled gain's 95% paired-bootstrap interval in the title.
 """
 
@@ -42,17 +41,13 @@ def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, 
     steps = [r["step"] for r in rows]
     reward = [r.get("reward", float("nan")) for r in rows]
     left.plot(steps, reward, "o", color="tab:blue", alpha=0.35, label="train reward (per update)")
-    window = max(1, len(reward) // 8)
+    window = max(3, len(reward) // 5)
     running = [_mean(reward[max(0, i - window + 1):i + 1]) for i in range(len(reward))]
     left.plot(steps, running, "-", color="tab:blue", label=f"running mean ({window} updates)")
     left.set_xlabel("RL update")
     left.set_ylabel("reward")
     left.set_ylim(-0.02, 1.02)
     left.grid(alpha=0.3)
-    if rows and "response_tokens" in rows[0]:
-        twin = left.twinx()
-        twin.plot(steps, [r["response_tokens"] for r in rows], color="tab:gray", alpha=0.6, lw=1)
-        twin.set_ylabel("mean response tokens", color="tab:gray")
     left.legend(loc="upper left", fontsize=8)
     left.set_title("training reward")
 
@@ -78,8 +73,8 @@ def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, 
     n = len(before["greedy"]["rewards"])
     d, lo, hi = gains["greedy"]
     ds, los, his = gains["sampled"]
-    right.set_title(f"held-out ({n} tasks): greedy gain {d:+.3f} [{lo:+.3f}, {hi:+.3f}], "
-                    f"sampled {ds:+.3f} [{los:+.3f}, {his:+.3f}] (95% CI)", fontsize=9)
+    right.set_title(f"held-out success, {n} tasks; gain after - before [95% CI]:\n"
+                    f"greedy {d:+.3f} [{lo:+.3f}, {hi:+.3f}], sampled {ds:+.3f} [{los:+.3f}, {his:+.3f}]", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
