@@ -40,6 +40,7 @@ _RESUMABLE_CHANGES = ("controller.steps", "eval.", "sft.log_every")
 
 
 def _fail(message: str, status: int = 2):
+    message = " | ".join(line.strip() for line in str(message).strip().splitlines() if line.strip())
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
 

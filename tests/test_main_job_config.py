@@ -89,6 +89,7 @@ def _one_line_error(r, needle):
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and needle in errors[0], r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == errors[0]  # nothing after it (a multi-line dump)
     assert "Traceback" not in r.stderr
 
 
@@ -98,3 +99,13 @@ def test_entry_point_errors_exit_2_with_one_line(tmp_path):
     _one_line_error(_train("--config=configs/nope.py", "--config.controller.steps=2"), "configs/nope.py")
     _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.rollout.max_context=192",
                            "--config.rollout.max_new_tokens=64"), "prompt")
+
+
+def test_a_checkpoint_that_does_not_match_the_model_is_refused_by_name(tmp_path):
+    import jax.numpy as jnp
+
+    from tiderl_jax.rl.checkpoint import Checkpointer
+    ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)  # another model's arrays under the run's names
+    ckpt.save(0, {"params": {"w": jnp.zeros((3, 5))}, "opt_state": {"m": jnp.zeros(2)}, "ref": {"w": jnp.zeros(3)}}, {})
+    ckpt.close()
+    _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.controller.steps=2"), "cannot restore step 0")

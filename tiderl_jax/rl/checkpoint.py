@@ -115,8 +115,9 @@ class Checkpointer:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
         except Exception as e:  # a damaged or mismatched checkpoint: name it, do not crash obscurely
+            first = (str(e).strip().splitlines() or [""])[0]  # orbax appends the whole tree dump
             raise CheckpointError(f"cannot restore step {step} from {self.directory}: "
-                                  f"{type(e).__name__}: {e}") from e
+                                  f"{type(e).__name__}: {first}") from e
         return {name: _like(tree, out[name]) for name, tree in like.items()}, out["meta"]
 
     def wait(self) -> None:
