@@ -220,6 +220,10 @@ def check_main_job(c: ConfigDict, num_devices: int | None = None) -> None:
                               "or set --config.warm_start=scratch")
         if not os.path.isdir(c.checkpoint):
             raise ConfigError(f"checkpoint={c.checkpoint!r}: no such directory")
+    if warm == "scratch" and c.model.image_patch_dim > 0 and c.model.image_token_id is None:
+        from tiderl_jax.model.tokenizer import IMAGE_TOKEN  # a vision model's image token: the tokenizer's
+        with c.unlocked():
+            c.model.image_token_id = build_tokenizer(c).token_id(IMAGE_TOKEN)
     model = read_hf_config(c.checkpoint) if warm == "checkpoint" else model_config(c)
     max_pos = model.max_position_embeddings
     try:  # a kind with images needs a model that reads them (ConfigError naming what to set)
