@@ -43,6 +43,7 @@ from typing import Sequence
 
 import numpy as np
 
+from tiderl_jax.engine.config import EngineConfig  # noqa: F401 (re-exported)
 from tiderl_jax.engine.kv_pages import OutOfPages, PagePool, block_key
 from tiderl_jax.engine.runner import ModelRunner, bucket, half_pow2_buckets, pow2_buckets
 from tiderl_jax.engine.sampling import RequestError, SamplingParams, stop_matrix
@@ -51,46 +52,6 @@ from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.vision import ImageSpan
 from tiderl_jax.policies.preemption import PreemptionCandidate, can_admit, choose_victim
 from tiderl_jax.policies.prefill_budget import PrefillSignals, choose_prefill_budget
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    page_size: int = 16
-    num_pages: int = 4096  # including the trash page
-    max_seq_len: int = 4096  # longest context (prompt + all turns) a sequence may reach
-    max_running: int = 64  # sequences prefilling or decoding at once (decode batch)
-    prefill_chunk: int = 512  # longest chunk of one sequence per step
-    max_prefill_rows: int = 16  # sequences prefilled together in one step
-    prefill_budget: int = 2048  # prompt tokens per step (the full budget)
-    prefill_pressure_budget: int = 256  # P-PAS cap under prefill pressure
-    prefill_policy: str = "static"  # "static" | "ppas"
-    decode_steps: int = 16  # decode steps per call when no prefill is pending
-    enable_prefix_cache: bool = True
-    reuse_stale_prefix_cache: bool = False
-    on_update: str = "continue"  # "continue" | "abort"
-    attention_impl: str = "xla"  # "xla" | "reference" | "pallas"
-    max_stop_ids: int = 8
-    # How far apart the shape buckets are (each bucket is one compiled program per shape): 2 = powers of
-    # two (decode's attention span 1.5x apart); 4 = powers of four everywhere (decode spans 2x apart):
-    # about a quarter of the programs to compile, for more padding per call (a short job's choice).
-    bucket_growth: int = 2
-
-    def __post_init__(self):
-        if self.on_update not in ("continue", "abort"):
-            raise ValueError(f"on_update={self.on_update!r} is not 'continue' or 'abort'")
-        if self.prefill_policy not in ("static", "ppas"):
-            raise ValueError(f"prefill_policy={self.prefill_policy!r} is not 'static' or 'ppas'")
-        from tiderl_jax.engine.paged_attention import PAGED_ATTENTION
-        if self.attention_impl not in PAGED_ATTENTION:
-            raise ValueError(f"attention_impl={self.attention_impl!r} is not one of {sorted(PAGED_ATTENTION)}")
-        for name in ("page_size", "num_pages", "max_seq_len", "max_running", "prefill_chunk", "max_prefill_rows",
-                     "prefill_budget", "decode_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.bucket_growth not in (2, 4):
-            raise ValueError(f"bucket_growth={self.bucket_growth} is not 2 or 4")
-        if self.max_seq_len % self.page_size:
-            raise ValueError(f"max_seq_len={self.max_seq_len} must be a multiple of page_size")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,7 @@ from tiderl_jax.agents.env import LatencyModel, Task
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.policies import bidirl, ers, ra2p, staleness
+from tiderl_jax.runtime.controller_config import MODES, ControllerConfig  # noqa: F401 (re-exported)
 from tiderl_jax.runtime.metrics import RunMetrics
 from tiderl_jax.runtime.pool import Backend, DevicePool, split_devices
 
@@ -65,85 +66,12 @@ if TYPE_CHECKING:  # the JAX side is imported only when a JaxBackend is built (t
 
 log = logging.getLogger(__name__)
 
-MODES = ("sync", "async", "tiderl")
 # groups in a row whose every sample raised (or had a prompt that cannot fit: `prompt_too_long`) before
 # the producer gives up
 FAILED_GROUPS_LIMIT = 8
 # weight syncs in a row that failed before the run stops (sooner when the staleness bound is lower:
 # a rollout more than eta versions behind makes only samples that are dropped as stale)
 SYNC_FAILURES_LIMIT = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class ControllerConfig:
-    mode: str = "tiderl"
-    steps: int = 10  # optimizer updates
-    groups_per_step: int = 4  # GRPO groups (prompts) per update
-    group_size: int = 4  # samples per group
-    eta: int | None = None  # staleness bound; None: the mode's default (sync 0, else 1)
-    max_concurrent: int = 32  # tasks in flight
-    task_kinds: tuple[str, ...] = ("calculator",)
-    data_seed: int = 0  # train-split generator seed
-    # device groups (async / tiderl); sync uses every device for both roles
-    device_group_size: int = 2
-    rollout_groups: int = 2
-    ref_groups: int = 1  # 0: the ref always runs on the train devices (colocated)
-    train_groups: int = 1
-    tensor: int = 2
-    ers_patience: int = 2
-    ers_cooldown: int = 3
-    # speed one more device group adds to a role, as a fraction of linear, assumed until a move
-    # measures it (ERS weighs a move's predicted gain against its measured cost)
-    ers_scaling: float = 1.0
-    ers_economics: bool = True  # False: a persistent deficit moves a group whatever it costs
-    checkpoint_every: int = 0  # steps; 0: only at the end and on interrupt
-    # Belayer (faults/env_worker.py): each environment in a subprocess, checkpointed at turn
-    # boundaries by the cost rule; a crash restores and rewinds (or redoes from turn 0) within
-    # `env_max_retries`, then the sample is dropped with its reason
-    env_workers: bool = False
-    # Belayer (faults/engine_worker.py): the rollout engine in a worker process with a warm standby,
-    # health checks and token checkpoints (request-level rollout: sync / async modes)
-    engine_workers: bool = False
-    engine_worker_warmup: bool = True  # workers compile every program before serving (tests skip it)
-    # consecutive unanswered health checks (0.2 s apart) that fail a worker; a worker answers between
-    # engine steps, so this must cover the longest step (compiles included when warmup is off)
-    engine_worker_health_checks: int = 3
-    env_checkpoint: str = "belayer"  # "belayer" | "always" | "never"
-    env_p_fail: float = 0.05  # probability an environment fails before the next turn boundary
-    env_max_retries: int = 3
-    env_step_timeout_s: float = 20.0  # below the rollout's env_timeout_s, which would cancel the recovery
-    # BiDiRL borrowing within a step (module docstring; async / tiderl, a backend with `lend`)
-    bidirl: bool = False
-    bidirl_scaling: float = 1.0  # speed a borrowed device adds (fraction of an own one), until measured
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ConfigError(f"controller.mode={self.mode!r} is not one of {MODES}")
-        for name in ("steps", "groups_per_step", "group_size", "max_concurrent", "device_group_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"controller.{name}={getattr(self, name)} must be >= 1")
-        if self.max_concurrent < self.group_size:
-            raise ConfigError(f"controller.max_concurrent={self.max_concurrent} must hold one group "
-                              f"(group_size={self.group_size})")
-        if self.engine_workers and self.mode == "tiderl":
-            raise ConfigError("controller.engine_workers serve request-level rollouts (modes sync, async); "
-                              "tiderl's CTB keeps KV across tool calls in its own engine")
-        if self.bidirl and self.mode == "sync":
-            raise ConfigError("controller.bidirl borrows between separate rollout and train pools: "
-                              "modes async and tiderl (sync shares one mesh)")
-        if not 0 < self.bidirl_scaling <= 1:
-            raise ConfigError(f"controller.bidirl_scaling={self.bidirl_scaling} must be in (0, 1]")
-        if not self.task_kinds or any(k not in task_lib.GENERATORS for k in self.task_kinds):
-            raise ConfigError(f"controller.task_kinds={self.task_kinds} must be non-empty, from "
-                              f"{sorted(task_lib.GENERATORS)}")
-
-    @property
-    def staleness(self) -> staleness.StalenessConfig:
-        return staleness.staleness_config(self.mode, self.eta)
-
-    @property
-    def batch_samples(self) -> int:
-        return self.groups_per_step * self.group_size
 
 
 @dataclasses.dataclass
