@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml setup.py
 	TIDERL_NO_EXTENSIONS=1 $(VENV)/bin/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-$(CORE): $(STAMP) tiderl_jax/sim/backend.py tiderl_jax/sim/backend.pxd
+$(CORE): $(STAMP) tiderl_jax/sim/kv.py tiderl_jax/sim/kv.pxd tiderl_jax/sim/replicas.py tiderl_jax/sim/replicas.pxd
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(CORE)
 

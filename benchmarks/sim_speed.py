@@ -31,7 +31,7 @@ def simulate(mode: str, size: int, steps: int, core: str, logdir: str) -> dict:
            "--config=" + str(ROOT / "configs" / "sim_tiderl_text.py"),
            f"--config.sizes={size}", f"--config.modes={mode}", f"--config.steps={steps}", "--config.timelines=False",
            f"--config.logdir={logdir}"]
-    probe = "import tiderl_jax.sim.backend as b; print(b.__file__)"
+    probe = "import tiderl_jax.sim.replicas as b; print(b.__file__)"
     module = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()
     if (core == "compiled") != (not module.endswith(".py")):

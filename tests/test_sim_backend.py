@@ -3,6 +3,7 @@ well under a second of wall time, virtual time advances, sync takes turns, stale
 CTB keeps more KV than request-level rollout, runs are deterministic, and ERS moves device groups."""
 
 import json
+import sys
 import time
 
 import numpy as np
@@ -301,12 +302,19 @@ def test_ers_gives_the_ref_group_to_the_trainer_when_the_rollout_does_not_scale(
 
 
 def test_the_compiled_event_core_is_built_and_in_use():
-    # setup.py compiles sim/backend.py (with a C compiler, as `make` installs it); an extension older
-    # than its source is not used (tiderl_jax.sim.compiled_core)
+    # setup.py compiles the event core, sim/kv.py and sim/replicas.py (with a C compiler, as `make` installs
+    # it); an extension older than its sources is not used (tiderl_jax.sim.compiled_core). sim/backend.py's
+    # SimBackend, plain Python, extends the compiled ReplicaCore
+    from tiderl_jax.sim import kv, replicas
     assert sim_py.compiled_core() is not None, "no current compiled simulator core: run `pip install -e .`"
-    assert sim_backend.__file__ == sim_py.compiled_core()
-    python = sim_py.python_reference()
+    assert replicas.__file__ == sim_py.compiled_core() and not kv.__file__.endswith(".py")
+    assert sim_backend.__file__.endswith("backend.py") and issubclass(sim_backend.SimBackend, replicas.ReplicaCore)
+    python = sim_py.python_reference()  # the backend on the core's sources, all of it plain Python
     assert python.__file__.endswith("backend.py") and python.SimBackend is not sim_backend.SimBackend
+    for cls, source in ((python.ReplicaCore, "replicas.py"), (python._Seq, "kv.py"), (python._Replica, "kv.py")):
+        assert sys.modules[cls.__module__].__file__.endswith(source), cls
+    assert python.ReplicaCore in python.SimBackend.__mro__
+    assert all(c.__module__ not in ("tiderl_jax.sim.kv", "tiderl_jax.sim.replicas") for c in python.SimBackend.__mro__)
 
 
 @pytest.mark.parametrize("mode,sim,kw", CORE_CASES)

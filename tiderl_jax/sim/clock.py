@@ -83,7 +83,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def quiet_until(self) -> float:
         """The virtual time up to which nothing on the loop can happen: now while callbacks are ready or
         an executor job is pending, else the next timer's time (inf without one). A discrete-event
-        driver running inside a callback (`sim/backend.py`) may `advance` the clock up to it and
+        driver running inside a callback (`sim/replicas.py`) may `advance` the clock up to it and
         process its own events in plain Python, as if the loop had jumped there itself."""
         if self._ready or self._stopping or self.pending_executor_jobs:
             return self._now
