@@ -4,8 +4,8 @@ event core against its Python source, in one run.
     python benchmarks/sim_speed.py [--quick] [--json out.json] [--steps 100] [--size 1024]
 
 Each row is one `launch/simulate.py` process (TideRL text preset, `configs/sim_tiderl_text.py`) for one
-mode: `core` = `compiled` (the Cython extension setup.py builds from tiderl_jax/sim/backend.py) or
-`python` (the same module uncompiled, TIDERL_SIM_PYTHON=1). Processes alternate between the two cores,
+mode: `core` = `compiled` (the Cython extensions setup.py builds from tiderl_jax/sim/kv.py and replicas.py) or
+`python` (the same modules uncompiled, TIDERL_SIM_PYTHON=1). Processes alternate between the two cores,
 python first, so machine noise falls on both. JSON keys: `mode`, `size`, `steps`, `core`, `sim_wall_s`
 (the simulation itself, from results.json), `process_wall_s` (the whole process: imports, config, plots),
 `speedup` (python's sim_wall_s / this row's, same mode), `goodput_tokens_per_s` (both cores must agree:
@@ -35,7 +35,7 @@ def simulate(mode: str, size: int, steps: int, core: str, logdir: str) -> dict:
     module = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()
     if (core == "compiled") != (not module.endswith(".py")):
-        raise SystemExit(f"core {core!r} asked for, but tiderl_jax.sim.backend is {module}: build the extension "
+        raise SystemExit(f"core {core!r} asked for, but tiderl_jax.sim.replicas is {module}: build the extensions "
                          "with `pip install -e .` (or `make venv`)")
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -25,6 +25,7 @@ def get_config():
     c.sizes = (32, 64, 128, 256)  # accelerators; 1024 works too (100 steps: under a minute per mode, compiled)
     c.modes = ("sync", "sync+war", "async", "tiderl", "tiderl+bidirl")
     c.steps = 20  # optimizer updates per run
+    c.oracle_train_groups = ()  # async@oracle: train group counts its sweep tries (empty: every split)
     c.bidirl_probes = 5  # async+bidirl: rollout/train splits its static planner simulates
     c.bidirl_probe_steps = 4  # and steps per probe
     c.seed = 0

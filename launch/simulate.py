@@ -3,7 +3,9 @@
     python launch/simulate.py --config=configs/sim_tiderl_text.py [--config.sizes=32,1024] [--config.steps=100]
 
 For each cluster size and each mode (sync, async, tiderl, each optionally `+bidirl`: BiDiRL borrowing,
-and for async its static planner; `+war`: WAR's speculative-decoding switch) it runs
+and for async its static planner; `+war`: WAR's speculative-decoding switch; the baselines `async@SHARE`
+(a fixed train share of the devices), `async@oracle` (the best static split, every one simulated) and
+`streamrl`; the ablations `tiderl-ctb-ers`, `tiderl-ctb`: `parse_mode`) it runs
 `runtime.controller.Controller` on a `sim.backend.SimBackend` (virtual clock), then prints one table
 (goodput, its ratios to sync and to async at the same size, per-step time, rollout and trainer
 waiting, KV hit rate, ERS moves, BiDiRL borrows, wall seconds the simulation took) and the papers'
@@ -12,7 +14,10 @@ replicas' mean decode batch and the share of their decode throughput it uses, th
 staleness bound held admission) and the reading of the TideRL anchors it gives (`regime`), and writes
 `logdir/results.json` (one row per run, the anchors and that reading), `logdir/goodput.png` (goodput vs cluster
 size per mode) and, at the smallest size, `logdir/timeline_<mode>.png` (what each device lane did over virtual
-time, the controller's own `RunMetrics.plot_timeline`).
+time, the controller's own `RunMetrics.plot_timeline`). With the ladder's modes it prints the ablation ladder
+beside the paper's, with tiderl and the baselines tiderl against each, and `logdir/moves.png` shows ERS's moves
+over time (the rollout's share of the devices after each step) with each step's trained tokens. A drifting
+workload (`workloads.Drift`) draws each group's shapes at the step it is admitted.
 """
 
 import dataclasses
@@ -21,8 +26,10 @@ import json
 import logging as pylogging
 import os
 import sys
+import re
 import textwrap
 import time
+import typing
 
 from absl import app, logging
 
@@ -40,25 +47,27 @@ _CONFIG = config_lib.define_config_flag("configs/sim_tiderl_text.py")
 
 def controller_config(cfg, mode: str, size: int, workload: workloads.Workload,
                       rollout_groups: int | None = None) -> ControllerConfig:
-    """The controller's settings for one run: batch scaled with the cluster, the mode's device layout."""
+    """The controller's settings for one run: batch scaled with the cluster, the mode's device layout
+    (`rollout_groups`: an explicit async split, from BiDiRL's planner or the oracle sweep)."""
     c = cfg.controller
-    base, options = parse_mode(mode)
+    m = parse_mode(mode)
     group = group_size(cfg, size)
     groups = size // group
     if groups * group != size or groups < 4:
         raise ConfigError(f"size {size}: needs at least 4 device groups of {group}")
     prompts = max(1, round(workload.prompts_per_step * size / workload.devices))
     batch = prompts * workload.group_size
-    if base == "tiderl":
+    if m.base == "tiderl":
         ref, train = max(1, round(groups * c.tiderl_ref)), max(1, round(groups * c.tiderl_train))
-    elif rollout_groups is not None:  # async+bidirl: the static planner's split
+    elif rollout_groups is not None:  # async+bidirl: the static planner's split; async@oracle: one of the sweep
         ref, train = 0, groups - rollout_groups
-    else:
-        ref, train = 0, max(1, round(groups * c.async_train))
+    else:  # async / streamrl: the mode's train share (`@share`) or the config's
+        share = m.split if isinstance(m.split, float) else c.async_train
+        ref, train = 0, min(groups - 1, max(1, round(groups * share)))
     return ControllerConfig(
-        mode=base, bidirl="bidirl" in options, steps=cfg.steps, groups_per_step=prompts,
-        group_size=workload.group_size, eta=0 if base == "sync" else c.eta,
-        max_concurrent=c.concurrency_batches * batch,
+        mode="async" if m.base == "streamrl" else m.base, bidirl="bidirl" in m.options, steps=cfg.steps,
+        groups_per_step=prompts, group_size=workload.group_size, eta=0 if m.base == "sync" else c.eta,
+        max_concurrent=c.concurrency_batches * batch, ctb="ctb" not in m.off, ers="ers" not in m.off,
         task_kinds=("calculator",), data_seed=cfg.seed,
         device_group_size=group, rollout_groups=groups - ref - train, ref_groups=ref,
         train_groups=train, tensor=cfg.sim.tp, ers_patience=c.ers_patience, ers_cooldown=c.ers_cooldown)
@@ -74,20 +83,57 @@ def group_size(cfg, size: int) -> int:
     return max(c.device_group_size, size // c.device_groups)
 
 
-def parse_mode(mode: str) -> tuple[str, set[str]]:
-    """`base[+option...]`: base sync / async / tiderl; options `bidirl` (async / tiderl: BiDiRL borrowing,
-    async+bidirl also its static planner) and `war` (WAR's speculative-decoding switch in the replicas)."""
-    base, *options = mode.split("+")
-    if base not in ("sync", "async", "tiderl") or not set(options) <= {"bidirl", "war"} \
-            or len(set(options)) != len(options):
-        raise ConfigError(f"mode {mode!r}: one of sync, async, tiderl, optionally with +bidirl and/or +war")
-    return base, set(options)
+class Mode(typing.NamedTuple):
+    base: str  # sync | async | tiderl | streamrl
+    split: float | str | None  # async / streamrl: the train share of the device groups, or "oracle"
+    options: set  # bidirl, war
+    off: set  # tiderl's mechanisms switched off: ctb, ers
+
+
+_MODE = re.compile(r"^(sync|async|tiderl|streamrl)(?:@(oracle|[0-9]*\.?[0-9]+))?((?:[+-][a-z0-9]+)*)$")
+
+
+def parse_mode(mode: str) -> Mode:
+    """`base[@split][+option...][-mechanism...]`:
+    - base `sync`, `async`, `tiderl`, or `streamrl` (async streaming, the reference pass colocated with the
+      actor and their weights swapped per micro-batch: `SimConfig.ref_swap`);
+    - `@share` (async / streamrl): the train devices' share of the cluster (the paper's fixed ratios 0.125,
+      0.25, 0.5), `@oracle` (async): the best static split, found by simulating every one;
+    - options `+bidirl` (async / tiderl: BiDiRL borrowing, async+bidirl also its static planner) and `+war`
+      (WAR's speculative-decoding switch in the replicas);
+    - `-ctb`, `-ers` (tiderl): that mechanism off (the ablation ladder: `tiderl-ctb-ers` is StreamRL + RA2P,
+      `tiderl-ctb` adds ERS, `tiderl` adds CTB)."""
+    match = _MODE.match(mode)
+    bad = ConfigError(f"mode {mode!r}: one of sync, async, tiderl, streamrl, optionally async@SHARE (0 < SHARE < 1) "
+                      f"or async@oracle, with +bidirl and/or +war, and tiderl with -ctb and/or -ers")
+    if not match:
+        raise bad
+    base, split, rest = match.groups()
+    flags = re.findall(r"([+-])([a-z0-9]+)", rest)
+    options = {f for sign, f in flags if sign == "+"}
+    off = {f for sign, f in flags if sign == "-"}
+    if len(flags) != len(options) + len(off) or not options <= {"bidirl", "war"} or not off <= {"ctb", "ers"}:
+        raise bad
+    if off and base != "tiderl":
+        raise bad
+    if split is not None:
+        if base not in ("async", "streamrl") or (split == "oracle" and (base != "async" or options)):
+            raise bad
+        if split != "oracle":
+            split = float(split)
+            if not 0 < split < 1:
+                raise bad
+    if base == "streamrl" and options:
+        raise bad
+    return Mode(base, split, options, off)
 
 
 def sim_config(cfg, mode: str = "sync") -> sim_backend.SimConfig:
+    m = parse_mode(mode)
     return sim_backend.SimConfig(workload=cfg.workload, accelerator=cfg.accelerator, seed=cfg.seed,
                                  efficiency=costs.Efficiency(**cfg.efficiency.to_dict()),
-                                 war_speculation="war" in parse_mode(mode)[1], **cfg.sim.to_dict())
+                                 war_speculation="war" in m.options, ref_swap=m.base == "streamrl",
+                                 **cfg.sim.to_dict())
 
 
 def plan_bidirl(cfg, size: int, war: bool = False) -> tuple[int, dict]:
@@ -138,17 +184,29 @@ def _interpolate(points: dict[int, float], x: int) -> float:
     return points[xs[-1]]
 
 
+def _simulate(cfg, mode: str, size: int, ccfg: ControllerConfig, logdir: str):
+    """One simulated run: (summary, controller). A drifting workload's groups draw the shapes of the step they
+    are admitted at (`workloads.drift_sampler`)."""
+    w = workloads.workload(cfg.workload)
+    sampler = workloads.drift_sampler(w, groups_per_step=ccfg.groups_per_step, steps=ccfg.steps, seed=cfg.seed,
+                                      sample_tasks=sim_backend.sample_tasks)
+    summary, controller, _ = sim_backend.run(sim_config(cfg, mode), ccfg, num_devices=size, logdir=logdir,
+                                             shape_sampler=sampler)
+    return summary, controller
+
+
 def run_one(cfg, mode: str, size: int) -> tuple[dict, object]:
     workload = workloads.workload(cfg.workload)
     plan = {}
     rollout_groups = None
-    base, options = parse_mode(mode)
-    if base == "async" and "bidirl" in options:
-        rollout_groups, plan = plan_bidirl(cfg, size, war="war" in options)
+    m = parse_mode(mode)
+    if m.base == "async" and "bidirl" in m.options:
+        rollout_groups, plan = plan_bidirl(cfg, size, war="war" in m.options)
+    if m.split == "oracle":
+        rollout_groups, plan = oracle_split(cfg, size)
     ccfg = controller_config(cfg, mode, size, workload, rollout_groups)
     t0 = time.perf_counter()
-    summary, controller, backend = sim_backend.run(sim_config(cfg, mode), ccfg, num_devices=size,
-                                                   logdir=os.path.join(cfg.logdir, f"{size}", mode))
+    summary, controller = _simulate(cfg, mode, size, ccfg, os.path.join(cfg.logdir, f"{size}", mode))
     row = dict(mode=mode, size=size, steps=summary["steps"], batch_samples=ccfg.batch_samples,
                goodput_tokens_per_s=summary["goodput_tokens_per_s"],
                goodput_samples_per_s=summary["goodput_samples_per_s"], step_time_s=summary["step_time_s"],
@@ -162,12 +220,41 @@ def run_one(cfg, mode: str, size: int) -> tuple[dict, object]:
                decode_capacity_used=summary["decode_load"].get("decode_capacity_used", float("nan")),
                prefill_share=summary["decode_load"].get("prefill_share", 0.0),
                admission_held=summary["admission_held_s"] / summary["wall_s"] if summary["wall_s"] else 0.0,
-               layout=dict(rollout=ccfg.rollout_groups, ref=ccfg.ref_groups, train=ccfg.train_groups), **plan)
+               layout=dict(rollout=ccfg.rollout_groups, ref=ccfg.ref_groups, train=ccfg.train_groups),
+               # the rollout's device count after each step (ERS's moves over time) and each step's tokens
+               trace=[dict(wall_s=r["wall_s"], rollout_devices=r.get("rollout_devices", 0), tokens=r.get("tokens", 0))
+                      for r in _metrics_rows(controller)], **plan)
     logging.info("%4d accelerators %-6s: goodput %.0f tok/s, step %.1fs, waiting rollout %.0f / trainer %.0f "
                  "device-s, KV hit %.3f, %d moves (%.1fs to simulate)", size, mode, row["goodput_tokens_per_s"],
                  row["step_time_s"], row["rollout_wait_s"], row["trainer_wait_s"], row["kv_hit_rate"],
                  row["moves"], row["sim_wall_s"])
     return row, controller
+
+
+def _metrics_rows(controller) -> list[dict]:
+    path = os.path.join(controller.metrics.logdir, "metrics.jsonl")
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def oracle_split(cfg, size: int) -> tuple[int, dict]:
+    """The best static async split in hindsight: every rollout / train split of the device groups
+    (`cfg.oracle_train_groups`: only those train group counts, when set) simulated for the run's full
+    length; returns (rollout groups of the best, the sweep)."""
+    g = group_size(cfg, size)
+    groups = size // g
+    counts = [int(x) for x in cfg.oracle_train_groups] or list(range(1, groups))
+    w = workloads.workload(cfg.workload)
+    sweep = {}
+    for train in counts:
+        if not 1 <= train < groups:
+            raise ConfigError(f"oracle_train_groups: {train} is not in [1, {groups - 1}] at size {size}")
+        ccfg = controller_config(cfg, "async", size, w, rollout_groups=groups - train)
+        summary, _ = _simulate(cfg, "async", size, ccfg, os.path.join(cfg.logdir, f"{size}", f"oracle_train{train}"))
+        sweep[train] = summary["goodput_tokens_per_s"]
+    best = max(sweep, key=sweep.get)
+    logging.info("%4d accelerators oracle split: train %d of %d device groups (%s)", size, best, groups,
+                 {k: round(v) for k, v in sweep.items()})
+    return groups - best, dict(oracle_train_groups=best, oracle_sweep={str(k): v for k, v in sweep.items()})
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -176,6 +263,8 @@ def add_ratios(rows: list[dict]) -> None:
         for base in ("sync", "async"):
             b = by.get((r["size"], base))
             r[f"vs_{base}"] = r["goodput_tokens_per_s"] / b["goodput_tokens_per_s"] if b else float("nan")
+        o = by.get((r["size"], "async@oracle"))
+        r["vs_oracle"] = r["goodput_tokens_per_s"] / o["goodput_tokens_per_s"] if o else float("nan")
         s = by.get((r["size"], "sync"))
         if s:
             r["step_time_vs_sync"] = r["step_time_s"] / s["step_time_s"] - 1
@@ -243,12 +332,12 @@ def anchor_table(items: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'size':>5} {'mode':<13} {'goodput tok/s':>13} {'vs sync':>8} {'vs async':>9} {'step s':>7} "
+    head = (f"{'size':>5} {'mode':<15} {'goodput tok/s':>13} {'vs sync':>8} {'vs async':>9} {'step s':>7} "
             f"{'d step':>7} {'rollout wait':>12} {'trainer wait':>12} {'d wait':>7} {'KV hit':>7} {'moves':>5} "
             f"{'borrows':>7} {'sim s':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['size']:>5} {r['mode']:<13} {r['goodput_tokens_per_s']:>13.0f} {r['vs_sync']:>7.2f}x "
+        lines.append(f"{r['size']:>5} {r['mode']:<15} {r['goodput_tokens_per_s']:>13.0f} {r['vs_sync']:>7.2f}x "
                      f"{r['vs_async']:>8.2f}x {r['step_time_s']:>7.1f} {r.get('step_time_vs_sync', 0):>+7.1%} "
                      f"{r['rollout_wait_s']:>12.0f} {r['trainer_wait_s']:>12.0f} {r.get('waiting_vs_sync', 0):>+7.1%} "
                      f"{r['kv_hit_rate']:>7.3f} {r['moves']:>5} {r['borrows']:>7} {r['sim_wall_s']:>6.1f}")
@@ -257,11 +346,11 @@ def table(rows: list[dict]) -> str:
 
 def load_table(rows: list[dict]) -> str:
     """What bounds each run: the rollout replicas' decode load and how long the staleness bound held admission."""
-    head = (f"{'size':>5} {'mode':<13} {'decode batch':>12} {'of limit':>9} {'capacity used':>13} "
+    head = (f"{'size':>5} {'mode':<15} {'decode batch':>12} {'of limit':>9} {'capacity used':>13} "
             f"{'prefill share':>13} {'admission held':>14}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['size']:>5} {r['mode']:<13} {r['decode_batch']:>12.1f} {r['decode_batch_limit']:>9.0f} "
+        lines.append(f"{r['size']:>5} {r['mode']:<15} {r['decode_batch']:>12.1f} {r['decode_batch_limit']:>9.0f} "
                      f"{r['decode_capacity_used']:>13.1%} {r['prefill_share']:>13.1%} {r['admission_held']:>14.0%}")
     return "\n".join(lines)
 
@@ -286,6 +375,81 @@ def regime(rows: list[dict], eta: int) -> str:
                 "this (the batch, the concurrency, eta) is ours, not the paper's (sim/workloads.py, the config's "
                 "controller section).")
     return facts + " The rollout runs near its capacity: TideRL's savings are on its critical path."
+
+
+# TideRL's ablation (OSWorld, Qwen3-VL-4B, cumulative; MECHANISMS-style record of the paper): tokens/s per rung
+LADDER = (("streamrl", "StreamRL", 20.2e3), ("tiderl-ctb-ers", "+RA2P", 23.1e3), ("tiderl-ctb", "+ERS", 31.8e3),
+          ("tiderl", "+CTB", 33.3e3))
+
+
+def ladder_table(rows: list[dict]) -> str:
+    """The ablation ladder beside the paper's: each rung's goodput and its gain over the rung below."""
+    by = {(r["size"], r["mode"]): r for r in rows}
+    sizes = sorted({r["size"] for r in rows})
+    if not any((n, mode) in by for n in sizes for mode, _, _ in LADDER):
+        return ""
+    head = f"{'rung':<9} {'mode':<15} {'paper tok/s':>11} {'paper gain':>10}" + "".join(
+        f" {f'{n}: tok/s':>12} {'gain':>7}" for n in sizes)
+    lines = [head, "-" * len(head)]
+    for i, (mode, name, paper) in enumerate(LADDER):
+        gain = f"{paper / LADDER[i - 1][2] - 1:+.1%}" if i else ""
+        line = f"{name:<9} {mode:<15} {paper:>11.0f} {gain:>10}"
+        for n in sizes:
+            r, below = by.get((n, mode)), by.get((n, LADDER[i - 1][0])) if i else None
+            line += f" {r['goodput_tokens_per_s']:>12.0f}" if r else f" {'':>12}"
+            line += (f" {r['goodput_tokens_per_s'] / below['goodput_tokens_per_s'] - 1:>+7.1%}" if r and below
+                     else f" {'':>7}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def baselines_table(rows: list[dict]) -> str:
+    """tiderl against each fixed-ratio async run and the oracle static split, per size."""
+    by = {(r["size"], r["mode"]): r for r in rows}
+    fixed = sorted({r["mode"] for r in rows if r["mode"].startswith(("async@", "streamrl"))})
+    lines = []
+    for n in sorted({r["size"] for r in rows}):
+        t = by.get((n, "tiderl"))
+        if not t:
+            continue
+        for mode in fixed:
+            b = by.get((n, mode))
+            if b:
+                extra = (f" (train {b['oracle_train_groups']} of {sum(b['layout'].values())} groups)"
+                         if "oracle_train_groups" in b else f" (train {b['layout']['train']} groups)")
+                lines.append(f"{n:>5} tiderl / {mode:<15} {t['goodput_tokens_per_s'] / b['goodput_tokens_per_s']:>6.2f}x"
+                             f"{extra}")
+    return "\n".join(lines)
+
+
+def plot_moves(rows: list[dict], path: str) -> str | None:
+    """ERS's moves over time: the rollout's share of the devices after each step, per size, for the modes
+    that move (tiderl and the ladder's +ERS), with each step's trained tokens (the workload's drift)."""
+    runs = [r for r in rows if r.get("trace") and r["mode"] in ("tiderl", "tiderl-ctb")]
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for r in runs:
+        steps = range(1, len(r["trace"]) + 1)
+        ax.step(steps, [t["rollout_devices"] / r["size"] for t in r["trace"]], where="post",
+                label=f"{r['mode']} @ {r['size']} ({r['moves']} moves)")
+        ax2.plot(steps, [t["tokens"] for t in r["trace"]], label=f"{r['mode']} @ {r['size']}", alpha=0.7)
+    ax.set_ylabel("rollout share of devices")
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    ax2.set_ylabel("trained tokens per step")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("step")
+    ax2.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def plot_goodput(rows: list[dict], path: str) -> str:
@@ -322,6 +486,11 @@ def main(argv):
                 controller_config(cfg, mode, size, workloads.workload(cfg.workload))
         for mode in cfg.modes:
             sim_config(cfg, mode)
+        for size in sizes:
+            groups = size // group_size(cfg, size)
+            bad = [int(x) for x in cfg.oracle_train_groups if not 1 <= int(x) < groups]
+            if bad and any(parse_mode(m).split == "oracle" for m in cfg.modes):
+                raise ConfigError(f"oracle_train_groups {bad}: not in [1, {groups - 1}] at size {size}")
     except (ConfigError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -346,6 +515,17 @@ def main(argv):
           "the share of their decode throughput used, of their busy time in prefill, and of the run the "
           "staleness bound held admission")
     print(load_table(rows))
+    ladder = ladder_table(rows)
+    if ladder:
+        print("\nthe ablation ladder (each rung a configuration of the one controller) beside the paper's (OSWorld, "
+              "Qwen3-VL-4B; ours on this workload)")
+        print(ladder)
+    versus = baselines_table(rows)
+    if versus:
+        print("\ntiderl against fixed-ratio async (the paper's 0.125 / 0.25 / 0.5 read as the train share of the "
+              "devices), StreamRL-like streaming and the oracle static split")
+        print(versus)
+    moves = plot_moves(rows, os.path.join(cfg.logdir, "moves.png"))
     why = regime(rows, cfg.controller.eta) if items else ""
     if why:
         print("\n" + textwrap.fill(why, 120))
@@ -354,7 +534,7 @@ def main(argv):
     with open(os.path.join(cfg.logdir, "results.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     print(f"\nwrote {os.path.join(cfg.logdir, 'results.json')}, "
-          f"{plot_goodput(rows, os.path.join(cfg.logdir, 'goodput.png'))}")
+          f"{plot_goodput(rows, os.path.join(cfg.logdir, 'goodput.png'))}" + (f", {moves}" if moves else ""))
     # the runs' objects (millions at 1024 accelerators) go with the process: frozen, the interpreter's
     # final collection does not walk them
     gc.freeze()

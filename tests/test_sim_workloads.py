@@ -95,3 +95,41 @@ def test_sampled_presets_respect_their_limits_and_seeds():
     w = workloads.TIDERL_TEXT_7B
     assert sample_task(w, np.random.default_rng(3)) == sample_task(w, np.random.default_rng(3))
     assert dataclasses.replace(w, devices=64).devices == 64  # presets are values: vary by replace
+
+
+def test_drift_schedules_interpolate_between_knots_and_scale_the_medians():
+    d = workloads.Drift(tokens_per_turn=((0.0, 0.5), (0.5, 3.0), (1.0, 1.5)), turns=((0.0, 2.0), (1.0, 1.0)))
+    assert d.factors(0.0, 0, 0) == (0.5, 2.0)
+    assert d.factors(0.25, 0, 0) == pytest.approx((1.75, 1.75))
+    assert d.factors(1.0, 0, 0) == (1.5, 1.0)
+    w = fixed_workload(100_000, max_turns=20, turns=ClippedLognormal(median=4, sigma=0.5, low=1, high=10, integer=True),
+                       tokens_per_turn=ClippedLognormal(median=100, sigma=0.5, low=8, high=150, integer=True), drift=d)
+    early, mid = w.at(0.0), w.at(0.5)
+    assert early.drift is None and early.tokens_per_turn.median == 50 and early.turns.median == 8
+    assert mid.tokens_per_turn.median == 150  # 300 clipped to the distribution's range
+    assert fixed_workload(1000).at(0.3) is not None and fixed_workload(1000).at(0.3).drift is None
+    # per-step variance: reproducible by (seed, step), different between steps
+    v = workloads.Drift(step_sigma=0.3)
+    assert v.factors(0.5, 3, 0) == v.factors(0.5, 3, 0) != v.factors(0.5, 4, 0)
+    with pytest.raises(ValueError, match="knots"):
+        workloads.Drift(turns=((0.2, 1.0), (1.0, 1.0)))
+    with pytest.raises(ValueError, match="step_sigma"):
+        workloads.Drift(step_sigma=-1)
+
+
+def test_the_drifting_preset_moves_its_shapes_over_the_run():
+    from tiderl_jax.sim.backend import sample_tasks
+
+    w = workloads.workload("webshop-drift-7b")
+    assert "drift" in w.assumed and w.drift is not None
+    assert {"webshop-7b", "alfworld-7b"} <= set(workloads.PRESETS)
+    sampler = workloads.drift_sampler(w, groups_per_step=4, steps=100, seed=0, sample_tasks=sample_tasks)
+    assert workloads.drift_sampler(workloads.workload("webshop-7b"), groups_per_step=4, steps=100, seed=0,
+                                   sample_tasks=sample_tasks) is None
+
+    def mean_turns(step):
+        shapes = [s for g in range(step * 4, step * 4 + 4)
+                  for s in sampler(g, np.random.default_rng([0, g]), 64)]
+        return np.mean([len(s.gen_tokens) for s in shapes]), np.mean([np.mean(s.gen_tokens) for s in shapes])
+    (turns0, tokens0), (turns50, tokens50) = mean_turns(0), mean_turns(50)
+    assert turns0 > 1.5 * turns50 and tokens50 > 2 * tokens0  # many short turns early, fewer longer ones mid-run

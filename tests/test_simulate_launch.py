@@ -39,3 +39,46 @@ def test_every_mode_runs_and_the_outputs_are_written(tmp_path):
 def test_a_bad_mode_is_refused_by_name(tmp_path):
     out = _simulate(tmp_path, "--config.modes=('tiderl+magic',)")
     assert out.returncode == 2 and "tiderl+magic" in out.stderr
+
+
+def test_mode_grammar_baselines_and_ablations():
+    sys.path.insert(0, ROOT)
+    from launch import simulate
+    m = simulate.parse_mode("async@0.125")
+    assert (m.base, m.split, m.options, m.off) == ("async", 0.125, set(), set())
+    assert simulate.parse_mode("async@oracle").split == "oracle"
+    assert simulate.parse_mode("tiderl-ctb-ers").off == {"ctb", "ers"}
+    assert simulate.parse_mode("tiderl+bidirl-ers") == ("tiderl", None, {"bidirl"}, {"ers"})
+    assert simulate.parse_mode("streamrl").base == "streamrl"
+    for bad in ("async@1.5", "async@0", "tiderl@0.25", "sync-ctb", "async-ers", "tiderl-magic", "tiderl+ctb",
+                "async@oracle+bidirl", "streamrl+war", "tiderl-ers-ers"):
+        try:
+            simulate.parse_mode(bad)
+        except simulate.ConfigError as e:
+            assert repr(bad) in str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+
+def test_baselines_ladder_and_oracle_at_a_small_size(tmp_path):
+    """The issue-18 modes run end to end: fixed train shares and the oracle sweep give the layouts they name,
+    the ladder's rungs switch the mechanisms (no moves without ERS, request-level KV without CTB), and the
+    ladder and baseline tables and the moves plot come out."""
+    modes = ("async@0.25", "async@oracle", "streamrl", "tiderl-ctb-ers", "tiderl-ctb", "tiderl")
+    out = subprocess.run([sys.executable, "launch/simulate.py", "--config=configs/sim_tiderl_baselines.py",
+                          f"--config.logdir={tmp_path}", "--config.sizes=32", "--config.steps=6",
+                          "--config.oracle_train_groups=(2,4,6)", f"--config.modes={modes!r}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.load(open(tmp_path / "results.json"))["rows"]}
+    assert rows["async@0.25"]["layout"] == dict(rollout=6, ref=0, train=2)  # 8 groups of 4 at 32
+    oracle = rows["async@oracle"]
+    assert set(oracle["oracle_sweep"]) == {"2", "4", "6"}
+    assert oracle["goodput_tokens_per_s"] == max(oracle["oracle_sweep"].values())
+    assert oracle["layout"]["train"] == oracle["oracle_train_groups"]
+    assert rows["tiderl-ctb-ers"]["moves"] == 0 and rows["tiderl-ctb"]["layout"]["ref"] > 0
+    # request-level KV (no CTB) hits less than pinned KV across tool calls
+    assert rows["tiderl"]["kv_hit_rate"] > rows["tiderl-ctb"]["kv_hit_rate"]
+    assert "StreamRL" in out.stdout and "+CTB" in out.stdout and "tiderl / async@oracle" in out.stdout
+    assert (tmp_path / "moves.png").stat().st_size > 0
+    assert all(len(r["trace"]) == 6 for r in rows.values())

@@ -215,3 +215,26 @@ def test_moving_the_trainer_to_another_mesh_changes_nothing_but_placement():
     devices = set(bigger.devices_of("train"))
     for leaf in jax.tree.leaves((move.params, move.opt_state, move.ref_params, move.value_params)):
         assert leaf.sharding.device_set == devices
+
+
+def test_warmup_loads_the_step_programs_and_changes_nothing():
+    """A sharded trainer warmed up for micro-batch counts 1 and 2: the policy, the optimizer state and the step
+    count are untouched, and real steps of those counts (TRAJS packs into 2) load no program afterwards."""
+    from tiderl_jax.rl.trainer import Scorer
+
+    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    ref = shard_model(init_decoder(CFG, seed=4), mesh, DEFAULT_RULES)
+    trainer = Trainer(shard_model(init_decoder(CFG, seed=3), mesh, DEFAULT_RULES), _config(micro_rows=2), mesh=mesh,
+                      ref_params=nnx.split(ref)[1])
+    before, opt = _params(trainer), [np.asarray(x) for x in jax.tree.leaves(trainer.opt_state)]
+    assert trainer.warmup([1, 2]) > 0 and trainer.step_count == 0 and trainer.compile_s > 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, _params(trainer)))
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(opt, jax.tree.leaves(trainer.opt_state)))
+    assert pack(TRAJS, row_len=32, micro_rows=2).arrays["tokens"].shape[0] == 2
+    loaded = trainer.compile_s
+    m = trainer.rl_step(TRAJS)
+    assert trainer.compile_s == loaded and np.isfinite(m["loss"]) and trainer.step_count == 1
+    scorer = Scorer(init_decoder(CFG, seed=4), _config(micro_rows=2))
+    scorer.warmup([2])
+    loaded = scorer.compile_s
+    assert all(x is not None for x in scorer.score_trajectories(TRAJS)) and scorer.compile_s == loaded

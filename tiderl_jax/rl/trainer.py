@@ -376,7 +376,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _run_step(self, kind: str, arrays: dict, num_sequences: int) -> dict:
+    def _run_step(self, kind: str, arrays: dict, num_sequences: int, *, apply: bool = True) -> dict:
+        """One optimizer step on the packed arrays; `apply=False` (a warm-up) runs the same program on copies
+        of the parameters and optimizer state (its inputs are donated) and keeps nothing."""
         arrays = dict(arrays, num_tokens=np.float32(arrays["mask"].sum()),
                       num_sequences=np.float32(num_sequences))
         batch = self._put(arrays)
@@ -392,6 +394,10 @@ class Trainer:
             return jax.jit(fn, in_shardings=(ps, os_, self._batch_sharding(batch)),
                            out_shardings=(ps, os_, rep), donate_argnums=(0, 1))
         key = (kind, tuple(sorted((k, np.shape(v)) for k, v in arrays.items())))
+        if not apply:
+            copies = jax.tree.map(lambda x: x.copy(), (trainable, self.opt_state))
+            jax.block_until_ready(self._program(key, build)(*copies, batch))
+            return {}
         trainable, self.opt_state, metrics = self._program(key, build)(trainable, self.opt_state, batch)
         if self.value_params is not None:
             self.params, self.value_params = trainable
@@ -411,10 +417,20 @@ class Trainer:
         arrays = {k: packed.arrays[k] for k in _INPUTS + ("mask",) if k in packed.arrays}
         return self._run_step("sft", arrays, packed.num_sequences)
 
-    def rl_step(self, trajectories: Sequence[Trajectory]) -> dict:
+    def warmup(self, micro_counts: Sequence[int]) -> float:
+        """Loads every program a step of each packed micro-batch count in `micro_counts` runs (proximal and
+        reference scoring, the update), compiling it or reading it from the persistent compile cache, without
+        changing the policy, the optimizer state or the step count; returns the seconds it took. A run that
+        warms up before its first step pays no program load inside its steps."""
+        t0 = time.perf_counter()
+        for m in micro_counts:
+            self.rl_step(_warmup_trajectories(m, self.config), apply=False)
+        return time.perf_counter() - t0
+
+    def rl_step(self, trajectories: Sequence[Trajectory], *, apply: bool = True) -> dict:
         """Packs, scores (proximal and, with a reference model, reference log-probs), computes group
         advantages and takes one optimizer step. Trajectories that cannot be trained on are left out
-        and counted (`dropped`)."""
+        and counted (`dropped`). `apply=False`: the same programs, nothing kept (`warmup`)."""
         cfg = self.config
         packed = pack(trajectories, row_len=cfg.row_len, micro_rows=cfg.micro_rows, patch_dim=self.patch_dim)
         for i, reason in packed.dropped:
@@ -450,7 +466,9 @@ class Trainer:
             packed.arrays["advantages"], packed.arrays["returns"] = gae_advantages(cfg.loss, packed, rewards)
         arrays = {k: v for k, v in packed.arrays.items()}
         t0 = time.perf_counter()
-        metrics = self._run_step("rl", arrays, packed.num_sequences)
+        metrics = self._run_step("rl", arrays, packed.num_sequences, apply=apply)
+        if not apply:
+            return {}
         # wall seconds of each part (compiles included): what RA2P's cost model reads
         metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()),
                        time_proximal_s=t_proximal, time_ref_s=t_ref, time_update_s=time.perf_counter() - t0)
@@ -476,6 +494,13 @@ class Scorer:
     _put = Trainer._put
     _score = Trainer._score
 
+    def warmup(self, micro_counts: Sequence[int]) -> float:
+        """Loads the scoring program of each packed micro-batch count (as `Trainer.warmup`); returns seconds."""
+        t0 = time.perf_counter()
+        for m in micro_counts:
+            self.score_trajectories(_warmup_trajectories(m, self.config))
+        return time.perf_counter() - t0
+
     def score_trajectories(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray | None]:
         """Each trajectory's per-token log-probs (None for one the trainer would leave out)."""
         cfg = self.config
@@ -488,3 +513,18 @@ class Scorer:
             m, r, start, n = packed.placements[j]
             out[i] = logp[m, r, start:start + n].copy()
         return out
+
+
+def _warmup_trajectories(micro: int, config: TrainerConfig) -> list[Trajectory]:
+    """Stand-in trajectories that pack into exactly `micro` micro-batches (one full row each, two groups):
+    what `Trainer.warmup` runs the step's programs on."""
+    rows = (micro - 1) * config.micro_rows + 1  # the fewest rows that need `micro` micro-batches
+    out = []
+    for i in range(rows):
+        t = Trajectory(task_id=f"warmup-{i}", kind="warmup", group=i % 2, reward=float(i % 2))
+        prompt, generated = config.row_len // 2, config.row_len - config.row_len // 2
+        t.extend([1] * prompt, generated=False)
+        t.extend([1] * generated, generated=True, logprobs=[0.0] * generated, model_logprobs=[0.0] * generated,
+                 versions=[0] * generated)
+        out.append(t)
+    return out

@@ -40,7 +40,7 @@ from tiderl_jax.runtime.pool import Backend, DevicePool, lanes_of, split_devices
 class JaxBackend:
     """The real devices (see the module docstring)."""
 
-    def __init__(self, model: Decoder, tokenizer: Tokenizer, *, mode: str, pool: DevicePool | None,
+    def __init__(self, model: Decoder, tokenizer: Tokenizer, *, kv_mode: str, pool: DevicePool | None,
                  engine_config: EngineConfig, rollout_config: RolloutConfig, trainer_config: TrainerConfig,
                  rules: Rules = DEFAULT_RULES, devices: Sequence | None = None, tensor: int = 1,
                  engine_workers: dict | bool = False):
@@ -68,7 +68,7 @@ class JaxBackend:
             self.engine = Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)
         self.engine_workers = bool(engine_workers)
         self.runner = RolloutRunner(self.engine, tokenizer, dataclasses.replace(
-            rollout_config, mode="ctb" if mode == "tiderl" else "request"))
+            rollout_config, mode=kv_mode))  # "ctb" | "request" (ControllerConfig.kv_mode)
         self.sync = WeightSync()
         self.last_sync_error: str | None = None  # the last failed publish's error and stage (None after a success)
 
@@ -144,6 +144,30 @@ class JaxBackend:
 
     def compile_s(self) -> float:
         return self.engine.compile_s + self.trainer.compile_s
+
+    def warmup(self, micro_counts: Sequence[int]) -> float:
+        """Loads every program the run can ask for before it starts: the engine's whole shape-bucket grid and
+        the trainer's (and the decoupled ref scorer's) step programs for each packed micro-batch count; returns
+        seconds. (An engine worker warms itself up.) Programs of a mesh an ERS move creates load at the move."""
+        t0 = time.perf_counter()
+        if not self.engine_workers:
+            self.engine.warmup()
+        self.trainer.warmup(micro_counts)
+        if self.ref_scorer is not None:
+            self.ref_scorer.warmup(micro_counts)
+        return time.perf_counter() - t0
+
+    @property
+    def shared_compute(self) -> bool:
+        """True when every device is one host's CPU (`--xla_force_host_platform_device_count`): the fake
+        devices share the host's cores, so a device group more makes no role faster."""
+        return len(self.devices) > 1 and all(d.platform == "cpu" and d.process_index == self.devices[0].process_index
+                                             for d in self.devices)
+
+    def rollout_scaling(self) -> float | None:
+        """The speed one more device group adds to the rollout, as a fraction of linear: 0 on shared cores;
+        None (unknown: ERS assumes its prior) otherwise."""
+        return 0.0 if self.shared_compute else None
 
     # ---------------------------------------------------------------- state
 

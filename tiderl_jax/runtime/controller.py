@@ -118,7 +118,7 @@ class Controller:
             pool = split_devices(devices, mode=config.mode, group_size=config.device_group_size,
                                  rollout=config.rollout_groups, ref=config.ref_groups,
                                  train=config.train_groups, tensor=config.tensor)
-            backend = JaxBackend(model, tokenizer, mode=config.mode, pool=pool, engine_config=engine_config,
+            backend = JaxBackend(model, tokenizer, kv_mode=config.kv_mode, pool=pool, engine_config=engine_config,
                                  rollout_config=rollout_config, trainer_config=trainer_config,
                                  rules=rules or DEFAULT_RULES,
                                  devices=devices, tensor=config.tensor,
@@ -163,7 +163,9 @@ class Controller:
         self._timings = dict(t_act=None, t_ref_col=None, t_ref_dec=None, tprm=None, train_busy=0.0)
         self._rollout_busy_mark = 0.0  # the rollout lane's busy seconds at the last step boundary
         self._ref_busy_mark = 0.0  # and the ref lane's
-        self.ers_scaling = config.ers_scaling  # measured after the first move that changes the trainer
+        # measured after the first move that changes the trainer; devices that share one host's cores (faked CPU
+        # devices) get no faster with more of them, so no move is predicted to pay there: ERS does no harm
+        self.ers_scaling = 0.0 if getattr(backend, "shared_compute", False) else config.ers_scaling
         self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
         self._stop = False
@@ -571,7 +573,7 @@ class Controller:
                                  produced_batches=produced / self.cfg.batch_samples)
 
     async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float, tokens: int):
-        if self.cfg.mode != "tiderl":
+        if self.cfg.mode != "tiderl" or not self.cfg.ers:
             return
         economics = self.ers_economics = self._ers_economics(tokens, step_time)
         signals = ers.ERSSignals(
@@ -699,6 +701,7 @@ class Controller:
                     ra2p_cost_colocated=decision.cost_colocated if decision else float("nan"),
                     ra2p_cost_decoupled=decision.cost_decoupled if decision else float("nan"),
                     rollout_devices=self.metrics.devices.get("rollout", 0),
+                    compile_total_s=self._compile_seconds(),  # so a window's program loads can be read off
                     **self._ers_log()))
                 if decision is not None:
                     log.info("RA2P: %s (colocated %.2fs, decoupled %.2fs)", decision.mode,

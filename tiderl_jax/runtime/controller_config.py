@@ -34,6 +34,11 @@ class ControllerConfig:
     # measures it (ERS weighs a move's predicted gain against its measured cost)
     ers_scaling: float = 1.0
     ers_economics: bool = True  # False: a persistent deficit moves a group whatever it costs
+    # TideRL's mechanisms one by one (mode tiderl; ablations such as launch/simulate.py's ladder): `ctb`
+    # False rolls out request-level (KV evictable between turns, as async) instead of Continuous Task
+    # Batching; `ers` False never moves a device group. RA2P is on whenever the layout has ref groups.
+    ctb: bool = True
+    ers: bool = True
     checkpoint_every: int = 0  # steps; 0: only at the end and on interrupt
     # Belayer (faults/env_worker.py): each environment in a subprocess, checkpointed at turn
     # boundaries by the cost rule; a crash restores and rewinds (or redoes from turn 0) within
@@ -63,7 +68,7 @@ class ControllerConfig:
         if self.max_concurrent < self.group_size:
             raise ConfigError(f"controller.max_concurrent={self.max_concurrent} must hold one group "
                               f"(group_size={self.group_size})")
-        if self.engine_workers and self.mode == "tiderl":
+        if self.engine_workers and self.kv_mode == "ctb":
             raise ConfigError("controller.engine_workers serve request-level rollouts (modes sync, async); "
                               "tiderl's CTB keeps KV across tool calls in its own engine")
         if self.bidirl and self.mode == "sync":
@@ -78,6 +83,11 @@ class ControllerConfig:
     @property
     def staleness(self) -> staleness.StalenessConfig:
         return staleness.staleness_config(self.mode, self.eta)
+
+    @property
+    def kv_mode(self) -> str:
+        """The rollout's KV handling: "ctb" (tiderl with CTB on) or "request"."""
+        return "ctb" if self.mode == "tiderl" and self.ctb else "request"
 
     @property
     def batch_samples(self) -> int:

@@ -66,7 +66,7 @@ class SimBackend(ReplicaCore, TrainerCosts, Switches):
     """Cost-modelled devices behind the controller's `Backend` interface (see the module docstring)."""
 
     def __init__(self, config: SimConfig, *, mode: str, pool: DevicePool | None, num_devices: int,
-                 loop: clock_lib.VirtualTimeLoop | None = None):
+                 loop: clock_lib.VirtualTimeLoop | None = None, kv_mode: str | None = None):
         self.cfg = config
         self.mode = mode
         self.pool = pool
@@ -76,7 +76,8 @@ class SimBackend(ReplicaCore, TrainerCosts, Switches):
         self.shape = costs.model_shape(self.workload.model)
         self.hw = hardware.accelerator(config.accelerator or self.workload.accelerator)
         self.eff = config.efficiency
-        self.kv_mode = "ctb" if mode == "tiderl" else "request"
+        # "ctb" | "request": the controller's (`ControllerConfig.kv_mode`: tiderl with CTB off is request-level)
+        self.kv_mode = kv_mode or ("ctb" if mode == "tiderl" else "request")
         self.ps = config.page_size
         if config.tp and pool is not None and pool.group_size % config.tp:
             raise ValueError(f"SimConfig.tp={config.tp} must divide the device group size {pool.group_size}")
@@ -190,7 +191,7 @@ class SimBackend(ReplicaCore, TrainerCosts, Switches):
         c = controller_config
         pool = split_devices(range(num_devices), mode=c.mode, group_size=c.device_group_size,
                              rollout=c.rollout_groups, ref=c.ref_groups, train=c.train_groups, tensor=c.tensor)
-        return cls(config, mode=c.mode, pool=pool, num_devices=num_devices)
+        return cls(config, mode=c.mode, pool=pool, num_devices=num_devices, kv_mode=c.kv_mode)
 
     def attach(self, metrics) -> None:
         """Exact busy accounting per replica into the controller's `RunMetrics` (replicas.py's docstring)."""

@@ -30,6 +30,12 @@ class SimConfig:
     sync_fixed_s: float = 0.5  # weight sync fixed part: drain, publish, barrier (ours)
     switch_fixed_s: float = 3.0  # device move fixed part (BiDiRL reports a few seconds)
     optimizer_bytes_per_param: float = 8.0  # Adam m and v in fp32: train state beyond the bf16 weights
+    # StreamRL-like baseline (launch/simulate.py's `streamrl`): the reference model and the actor share the
+    # train devices without both staying resident, so the colocated ref pass of every micro-batch (a GRPO
+    # group, the controller's unit) swaps the ref's bf16 weights in and the actor's back over the host link
+    # (`host_bandwidth` per device, one direction; both directions at once): 2 x weights / devices / bandwidth
+    ref_swap: bool = False
+    host_bandwidth: float = 55e9  # PCIe 5 x16: 64 GB/s peak one way, ~55 in practice (ours)
     seed: int = 0  # task shapes: rng seeded by (seed, group)
     # WAR speculative decoding (policies.war.use_speculation per event; roofline costs only): a
     # model-free drafter proposes `spec_draft_tokens`, one verify step scores them all, and emits
@@ -74,6 +80,8 @@ class SimConfig:
         if self.tp < 0 or (self.tp == 0 and self.measured is None):
             raise ValueError(f"SimConfig.tp={self.tp} must be >= 1 (0: one replica on all rollout devices, "
                              f"with measured costs)")
+        if not self.host_bandwidth > 0:
+            raise ValueError(f"SimConfig.host_bandwidth={self.host_bandwidth} must be > 0")
         for name in ("page_size", "max_batch", "decode_chunk", "finished_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1")

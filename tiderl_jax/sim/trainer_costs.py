@@ -99,6 +99,9 @@ class TrainerCosts:
             update = m.update_fixed_s + m.update_per_token_s * tokens + m.update_per_micro_s * micro
         has_ref = bool(trajectories) and all(t.info.get("ref_logp") is not None for t in trajectories)
         ref = 0.0 if has_ref else proximal
+        if not has_ref and self.cfg.ref_swap:  # (StreamRL) a weight swap in and back per micro-batch (group)
+            swap = 2 * self.shape.param_bytes / max(1, n) / self.cfg.host_bandwidth
+            ref += swap * len({t.group for t in trajectories})
         if m is not None:  # a program shape this trainer has not run yet: its first call loads it (the colocated
             # ref pass then finds the score program loaded)
             loads = self._train_program("score", micro, m.score_program_s), self._train_program(

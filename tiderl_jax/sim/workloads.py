@@ -71,8 +71,47 @@ class ClippedLognormal:
 
 Distribution = Fixed | ClippedLognormal
 
+
+@dataclasses.dataclass(frozen=True)
+class Drift:
+    """How a workload's tasks change over a run (ours in every part): in agentic RL the policy's response
+    lengths and turn counts move as it learns, and each step's batch differs from the last, so the
+    bottleneck moves between rollout and training. At training progress p in [0, 1] (the step a group
+    is admitted at / the run's steps) the medians of `tokens_per_turn` and `turns` are multiplied by
+    piecewise-linear schedules through the knots `(p, factor)`, then by a per-step factor
+    `exp(N(0, step_sigma^2))` drawn from an rng seeded by (seed, step), one for tokens and one for turns."""
+    tokens_per_turn: tuple[tuple[float, float], ...] = ((0.0, 1.0), (1.0, 1.0))
+    turns: tuple[tuple[float, float], ...] = ((0.0, 1.0), (1.0, 1.0))
+    step_sigma: float = 0.0
+
+    def __post_init__(self):
+        for name in ("tokens_per_turn", "turns"):
+            knots = getattr(self, name)
+            ps = [p for p, _ in knots]
+            if len(knots) < 2 or ps != sorted(ps) or ps[0] != 0.0 or ps[-1] != 1.0 or any(f <= 0 for _, f in knots):
+                raise ValueError(f"Drift.{name}={knots}: knots (p, factor) with p rising from 0 to 1 and factor > 0")
+        if not self.step_sigma >= 0:
+            raise ValueError(f"Drift.step_sigma={self.step_sigma} must be >= 0")
+
+    @staticmethod
+    def schedule(knots, p: float) -> float:
+        p = min(max(p, 0.0), 1.0)
+        for (a, fa), (b, fb) in zip(knots, knots[1:]):
+            if p <= b:
+                return fa + (fb - fa) * ((p - a) / (b - a) if b > a else 1.0)
+        return knots[-1][1]
+
+    def factors(self, progress: float, step: int, seed: int) -> tuple[float, float]:
+        """(tokens-per-turn factor, turns factor) of the step at `progress`."""
+        tokens, turns = self.schedule(self.tokens_per_turn, progress), self.schedule(self.turns, progress)
+        if self.step_sigma:
+            z = np.random.default_rng([seed, step, 7919]).normal(0.0, self.step_sigma, 2)
+            tokens, turns = tokens * math.exp(z[0]), turns * math.exp(z[1])
+        return tokens, turns
+
+
 PARAMETERS = ("model", "accelerator", "devices", "max_turns", "max_context", "prompts_per_step", "group_size",
-              "prompt_tokens", "turns", "tokens_per_turn", "observation_tokens", "env_latency_s")
+              "prompt_tokens", "turns", "tokens_per_turn", "observation_tokens", "env_latency_s", "drift")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +133,26 @@ class Workload:
     from_paper: tuple[str, ...]  # parameters the paper's settings state
     assumed: tuple[str, ...]  # parameters that are ours
     notes: str = ""
+    drift: Drift | None = None  # None: the same distributions all run long
 
     def __post_init__(self):
         check_workload(self)
+
+    def at(self, progress: float, step: int = 0, seed: int = 0) -> "Workload":
+        """The workload as it stands at training `progress` (its `drift`; itself without one): the medians
+        of tokens per turn and turns scaled, clipped to their ranges."""
+        if self.drift is None:
+            return self
+        f_tokens, f_turns = self.drift.factors(progress, step, seed)
+        return dataclasses.replace(self, drift=None, tokens_per_turn=_scaled(self.tokens_per_turn, f_tokens),
+                                   turns=_scaled(self.turns, f_turns))
+
+
+def _scaled(d: Distribution, factor: float) -> Distribution:
+    if isinstance(d, Fixed):
+        return Fixed(d.value * factor)
+    median = min(max(d.median * factor, d.low), d.high)
+    return dataclasses.replace(d, median=median if median > 0 else d.median)
 
 
 def check_workload(w: Workload) -> None:
@@ -161,7 +217,7 @@ _TIDERL_SOURCE = ("TideRL (abstract in ../shared/seeds/): text-only and multi-mo
                   "settings 7B/14B model, up to 20 turns, up to 8k context on 32 GPUs (text) and up to 50 turns "
                   "(multi-modal) as issue 8 quotes them")
 _TEXT_ASSUMED = ("accelerator", "prompts_per_step", "group_size", "prompt_tokens", "turns", "tokens_per_turn",
-                 "observation_tokens", "env_latency_s")
+                 "observation_tokens", "env_latency_s", "drift")
 
 
 def _tiderl_text(name: str, model: str) -> Workload:
@@ -191,7 +247,7 @@ TIDERL_MULTIMODAL = Workload(
     env_latency_s=ClippedLognormal(median=2.0, sigma=1.0, low=0.1, high=120.0),
     from_paper=("max_turns",),
     assumed=("model", "accelerator", "devices", "max_context", "prompts_per_step", "group_size", "prompt_tokens",
-             "turns", "tokens_per_turn", "observation_tokens", "env_latency_s"),
+             "turns", "tokens_per_turn", "observation_tokens", "env_latency_s", "drift"),
     notes="model: the record does not name the vision-language model; the 7B text shape stands in (vision "
           "encoder cost not modelled). Observations carry image tokens (a few hundred per image), assumed.")
 
@@ -207,11 +263,70 @@ BIDIRL_MATH = Workload(
     observation_tokens=Fixed(0), env_latency_s=Fixed(0.0),
     from_paper=("devices", "max_turns", "turns", "observation_tokens", "env_latency_s"),
     assumed=("model", "accelerator", "max_context", "prompts_per_step", "group_size", "prompt_tokens",
-             "tokens_per_turn"),
+             "tokens_per_turn", "drift"),
     notes="math RL is single-turn with a rule-based reward: one response per sample, no environment calls. "
           "Long-tailed response lengths (lognormal), assumed.")
 
-PRESETS = {w.name: w for w in (TIDERL_TEXT_7B, TIDERL_TEXT_14B, TIDERL_MULTIMODAL, BIDIRL_MATH)}
+_ENV_ASSUMED = ("accelerator", "prompts_per_step", "group_size", "prompt_tokens", "turns", "tokens_per_turn",
+                "observation_tokens", "env_latency_s", "drift")
+_ENV_SOURCE = ("TideRL's text settings (WebShop, AlfWorld; Qwen2.5-7B, 32 H100, at most 20 turns, 8192 tokens, "
+               "environments on a separate CPU cluster); the task shapes are ours, after the environments' kind")
+
+def _agentic_7b(name: str, notes: str, **shapes) -> Workload:
+    """A TideRL text environment preset: the paper's model, cluster, turns and context; `shapes` ours."""
+    return Workload(name=name, source=_ENV_SOURCE, model="qwen2.5-7b", accelerator="h100", devices=32, max_turns=20,
+                    max_context=8192, prompts_per_step=32, group_size=8, from_paper=("model", "devices", "max_turns",
+                                                                                     "max_context"),
+                    assumed=_ENV_ASSUMED, notes=notes, **shapes)
+
+
+# WebShop: a shopping site behind a search engine. Short actions (search[...] / click[...] after a short
+# thought), long observations (a results or product page as text), slow steps (search + page render on the
+# environment cluster). All shapes ours.
+WEBSHOP_7B = _agentic_7b(
+    "webshop-7b", "WebShop-like: short actions, page-long observations, slow environment steps (ours).",
+    prompt_tokens=ClippedLognormal(median=600, sigma=0.3, low=200, high=2048, integer=True),
+    turns=ClippedLognormal(median=8, sigma=0.5, low=2, high=20, integer=True),
+    tokens_per_turn=ClippedLognormal(median=64, sigma=0.6, low=8, high=1024, integer=True),
+    observation_tokens=ClippedLognormal(median=400, sigma=0.6, low=32, high=2048, integer=True),
+    env_latency_s=ClippedLognormal(median=2.0, sigma=1.0, low=0.1, high=60.0))
+
+# AlfWorld: a text household simulator. Many short turns (look / go to / take / put), short observations,
+# the TextWorld step itself quick but served remotely (a second with the round trip). All shapes ours.
+ALFWORLD_7B = _agentic_7b(
+    "alfworld-7b", "AlfWorld-like: many short turns, short observations, remote environment steps (ours).",
+    prompt_tokens=ClippedLognormal(median=900, sigma=0.2, low=400, high=2048, integer=True),
+    turns=ClippedLognormal(median=12, sigma=0.4, low=2, high=20, integer=True),
+    tokens_per_turn=ClippedLognormal(median=48, sigma=0.6, low=8, high=512, integer=True),
+    observation_tokens=ClippedLognormal(median=60, sigma=0.5, low=8, high=512, integer=True),
+    env_latency_s=ClippedLognormal(median=1.0, sigma=0.8, low=0.05, high=30.0))
+
+# The drifting workload (ours): WebShop's shapes, with the policy's behaviour moving over the run as agentic
+# RL's does: early many short turns (it flails, calling tools often), then responses lengthen as reasoning
+# grows while turns fall (it learns the site), then both settle; every step's batch also differs from the
+# last (per-step factors, sigma 0.3). The rollout's load moves between environment waiting, decoding and
+# prefill of long contexts, and the trainer's with the batch's tokens, so the bottleneck moves.
+WEBSHOP_DRIFT_7B = dataclasses.replace(
+    WEBSHOP_7B, name="webshop-drift-7b",
+    drift=Drift(tokens_per_turn=((0.0, 0.5), (0.5, 3.0), (1.0, 1.5)), turns=((0.0, 1.8), (0.5, 0.5), (1.0, 0.8)),
+                step_sigma=0.3),
+    notes="WebShop-like shapes with drifting response lengths and turns plus per-step variance (all ours).")
+
+PRESETS = {w.name: w for w in (TIDERL_TEXT_7B, TIDERL_TEXT_14B, TIDERL_MULTIMODAL, BIDIRL_MATH, WEBSHOP_7B,
+                               ALFWORLD_7B, WEBSHOP_DRIFT_7B)}
+
+
+def drift_sampler(w: Workload, *, groups_per_step: int, steps: int, seed: int, sample_tasks):
+    """A `SimBackend.shape_sampler` for a drifting workload: group g is admitted around step
+    g // groups_per_step and draws its shapes from `w.at(that step / steps)` with `sample_tasks(w, rng, n)`
+    (`sim.backend.sample_tasks`). None when `w` does not drift."""
+    if w.drift is None:
+        return None
+
+    def sample(group: int, rng: np.random.Generator, n: int):
+        step = group // groups_per_step
+        return sample_tasks(w.at(step / max(1, steps - 1), step, seed), rng, n)
+    return sample
 
 
 def workload(name: "str | Workload") -> Workload:
