@@ -331,6 +331,25 @@ def test_no_recompiles_in_steady_state():
     assert stats["compilations"] == warm, "traffic ran a program outside the warmed grid"
 
 
+def test_warmup_of_the_programs_another_engine_ran():
+    """A fresh engine warmed up with the programs an earlier one ran (not the whole grid) runs the same traffic
+    without loading a program."""
+    cfg = dict(num_pages=48, max_running=4, max_seq_len=128, prefill_chunk=32, max_prefill_rows=4)
+
+    def traffic(eng):
+        eng.generate(_prompts([5, 40, 17], seed=3), SamplingParams(temperature=0.0, max_new_tokens=12))
+    first = _engine(**cfg)
+    traffic(first)
+    ran = first.programs()
+    assert 0 < len(ran) < first.num_programs()
+    second = _engine(**cfg)
+    second.warmup(ran)
+    assert second.programs() == ran
+    compiles = second.stats()["compilations"]
+    traffic(second)
+    assert second.stats()["compilations"] == compiles and second.programs() == ran
+
+
 def test_a_sequence_larger_than_the_pool_is_refused_not_stalled():
     eng = _engine(num_pages=5, max_seq_len=128)  # 4 usable pages of 8 tokens = 32 tokens
     with pytest.raises(RequestError, match="exceeds the KV pool's 32 tokens"):

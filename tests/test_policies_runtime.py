@@ -270,6 +270,19 @@ def test_a_move_must_pay_for_itself():
     assert move is None  # 4 s of gain left in the run
 
 
+def test_a_gain_within_the_noise_of_a_step_does_not_move():
+    # the backlog case above saves 2 s of an 8 s step (25%); a 30 s step makes it 6.7%: still a move at the
+    # default 2% floor, none at a 10% floor, whatever the horizon pays
+    history = ERSHistory()
+    slow = _ers(**{**BACKLOG, "step_time_s": 30.0, "hol_latency_s": 20.0})
+    assert decide(slow, history, ONE_STEP, _econ())[0] is not None
+    high = dataclasses.replace(ONE_STEP, min_gain_fraction=0.1)
+    move, history = decide(slow, history, high, _econ(horizon_steps=1000))
+    assert move is None and "within the noise" in history.refused
+    with pytest.raises(ValueError, match="min_gain_fraction"):
+        ers.ERSConfig(min_gain_fraction=-0.1)
+
+
 def test_no_scaling_means_no_gain():
     # fake devices that share the same cores: a group more computes nothing faster
     assert ers.move_gain(_ers(**BACKLOG), _econ(scaling=0.0), "train") == 0.0

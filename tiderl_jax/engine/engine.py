@@ -328,28 +328,36 @@ class Engine:
                  version=self.version, uptime_s=time.perf_counter() - self._t0)
         return c
 
-    def warmup(self) -> float:
-        """Compiles every device program the engine can ask for (all shape buckets); returns seconds.
-
-        After this, no traffic within the configured limits compiles anything.
+    def warmup(self, programs=None) -> float:
+        """Compiles every device program the engine can ask for (all shape buckets), or only `programs`: the
+        shape keys an engine of the same config ran (`programs()`: what a rerun will ask for, without the whole
+        grid); returns seconds. After the full warm-up no traffic within the configured limits compiles anything.
         """
         t0 = time.perf_counter()
-        for rows in self._row_buckets:
-            for pages in self._page_buckets:
+        if programs is None:
+            programs = [("decode", (rows,), (rows, pages), self.config.decode_steps)
+                        for rows in self._row_buckets for pages in self._page_buckets]
+            programs += [("prefill", (rows, width), (rows, pages)) for rows in self._prefill_row_buckets
+                         for width in self._chunk_buckets for pages in self._prefill_page_buckets]
+        for key in programs:
+            if key[0] == "decode":
+                (rows,), (_, pages), steps = key[1:]
                 z = np.zeros(rows, np.int32)
                 self.runner.decode(z, np.zeros((rows, pages), np.int32), z, np.zeros(rows, bool), z,
                                    np.full((rows, self.config.max_stop_ids), -1, np.int32),
                                    np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z, 1,
-                                   max_steps=self.config.decode_steps, filtered=False)
-        for rows in self._prefill_row_buckets:
-            for width in self._chunk_buckets:
-                for pages in self._prefill_page_buckets:
-                    z = np.zeros(rows, np.int32)
-                    self.runner.prefill(np.zeros((rows, width), np.int32),
-                                        np.zeros((rows, pages), np.int32), z, z,
-                                        np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z,
-                                        filtered=False, **self._image_inputs([], rows, width))
+                                   max_steps=steps, filtered=False)
+            elif key[0] == "prefill":
+                (rows, width), (_, pages) = key[1:]
+                z = np.zeros(rows, np.int32)
+                self.runner.prefill(np.zeros((rows, width), np.int32), np.zeros((rows, pages), np.int32), z, z,
+                                    np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z,
+                                    filtered=False, **self._image_inputs([], rows, width))
         return time.perf_counter() - t0
+
+    def programs(self) -> frozenset:
+        """The shape keys of the device programs this engine has run (`warmup(programs)` of another engine)."""
+        return frozenset(self.runner._programs)
 
     def num_programs(self) -> int:
         """Size of the shape-bucket grid `warmup` compiles."""

@@ -25,7 +25,10 @@ Rule (the paper's, with the thresholds and hysteresis ours, all in `ERSConfig`):
 
 - a move must pay for itself (ours, after BiDiRL's borrowing rule, MECHANISMS.md §3): when the
   caller passes `MoveEconomics`, a deficit moves a group only if the predicted step-time gain over
-  the steps left exceeds the predicted move cost (reshard + recompile, measured), see `move_gain`.
+  the steps left exceeds the predicted move cost (reshard + recompile, measured), see `move_gain`,
+  and the gain per step is at least `min_gain_fraction` of the step (a smaller one is within the
+  noise of one step's measurements: on a drifting workload such predictions flipped sign step after
+  step and ERS moved groups back and forth, paying each move).
   The gain assumes a role's speed grows by `scaling` of linear per added group (1.0 until a move
   has been measured, then `measured_scaling`): on devices that share hardware (this CPU's fake
   devices) the first move measures ~0 and no further move is predicted to pay. The rollout's own
@@ -63,12 +66,16 @@ class ERSConfig:
     hol_fraction: float = 0.5  # head-of-line latency above this share of the step time: backlog
     min_rollout_groups: int = 1
     min_train_groups: int = 1
+    # with economics, a move's predicted saving per step must also reach this share of the step time (ours):
+    # predictions within the noise of one step's measurements (a drifting batch, environment latency) flip sign
+    # from step to step, and each flip would pay a move for nothing
+    min_gain_fraction: float = 0.02
 
     def __post_init__(self):
         for name in ("patience", "min_rollout_groups", "min_train_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ERSConfig.{name}={getattr(self, name)} must be >= 1")
-        for name in ("cooldown", "idle_fraction", "hol_fraction"):
+        for name in ("cooldown", "idle_fraction", "hol_fraction", "min_gain_fraction"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ERSConfig.{name}={getattr(self, name)} must be >= 0")
 
@@ -289,6 +296,10 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig 
                 history, refused=f"{reason}: the best move ({from_role} -> {to_role}) reverses the last one "
                                  f"within the cooldown")
         gain, cost = best * economics.horizon_steps, economics.move_cost_s
+        if best < config.min_gain_fraction * s.step_time_s:
+            return None, dataclasses.replace(
+                history, refused=f"{reason}: the best move ({from_role} -> {to_role}) saves {best:.2f}s per step, "
+                                 f"within the noise ({config.min_gain_fraction:.0%} of the {s.step_time_s:.2f}s step)")
         if not gain > cost:
             return None, dataclasses.replace(
                 history, refused=f"{reason}: the best move ({from_role} -> {to_role}) predicts {gain:.2f}s over "

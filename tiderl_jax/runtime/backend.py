@@ -145,13 +145,14 @@ class JaxBackend:
     def compile_s(self) -> float:
         return self.engine.compile_s + self.trainer.compile_s
 
-    def warmup(self, micro_counts: Sequence[int]) -> float:
-        """Loads every program the run can ask for before it starts: the engine's whole shape-bucket grid and
-        the trainer's (and the decoupled ref scorer's) step programs for each packed micro-batch count; returns
-        seconds. (An engine worker warms itself up.) Programs of a mesh an ERS move creates load at the move."""
+    def warmup(self, micro_counts: Sequence[int], engine_programs=None) -> float:
+        """Loads the programs the run will ask for before it starts: the engine's whole shape-bucket grid (or
+        `engine_programs`: those an engine of the same config ran, `Engine.programs()`) and the trainer's (and
+        the decoupled ref scorer's) step programs for each packed micro-batch count; returns seconds. (An
+        engine worker warms itself up.) Programs of a mesh an ERS move creates load at the move."""
         t0 = time.perf_counter()
         if not self.engine_workers:
-            self.engine.warmup()
+            self.engine.warmup(engine_programs)
         self.trainer.warmup(micro_counts)
         if self.ref_scorer is not None:
             self.ref_scorer.warmup(micro_counts)
@@ -167,6 +168,10 @@ class JaxBackend:
     def rollout_scaling(self) -> float | None:
         """The speed one more device group adds to the rollout, as a fraction of linear: 0 on shared cores;
         None (unknown: ERS assumes its prior) otherwise."""
+        return 0.0 if self.shared_compute else None
+
+    def train_scaling(self) -> float | None:
+        """The same for the trainer: 0 on shared cores; None otherwise (ERS measures it on its first move)."""
         return 0.0 if self.shared_compute else None
 
     # ---------------------------------------------------------------- state

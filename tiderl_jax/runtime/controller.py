@@ -163,9 +163,7 @@ class Controller:
         self._timings = dict(t_act=None, t_ref_col=None, t_ref_dec=None, tprm=None, train_busy=0.0)
         self._rollout_busy_mark = 0.0  # the rollout lane's busy seconds at the last step boundary
         self._ref_busy_mark = 0.0  # and the ref lane's
-        # measured after the first move that changes the trainer; devices that share one host's cores (faked CPU
-        # devices) get no faster with more of them, so no move is predicted to pay there: ERS does no harm
-        self.ers_scaling = 0.0 if getattr(backend, "shared_compute", False) else config.ers_scaling
+        self.ers_scaling = config.ers_scaling  # measured after the first move that changes the trainer
         self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
         self._stop = False
@@ -560,6 +558,9 @@ class Controller:
                 log.info("ERS: trainer time per token x%.2f on %d -> %d groups: scaling %.2f of linear; "
                          "the move cost %.1fs", ratio, probe["groups"], self.pool.num_groups("train"),
                          self.ers_scaling, self._move_cost)
+        # the trainer's scaling as the backend knows it (a cost model; 0 where devices share one host's cores, so
+        # no move is predicted to pay there: ERS does no harm), else as measured on the last move
+        known = self.backend.train_scaling() if hasattr(self.backend, "train_scaling") else None
         if self._move_cost is not None:
             cost = self._move_cost
         elif hasattr(self.backend, "move_cost_estimate"):  # a backend that can say (the simulator's switch time)
@@ -568,7 +569,8 @@ class Controller:
             cost = self._compile_seconds()
         produced, self._produced_mark = self._produced - self._produced_mark, self._produced
         return ers.MoveEconomics(train_busy_s=train_busy, rollout_busy_s=rollout_busy, move_cost_s=cost,
-                                 horizon_steps=self.cfg.steps - self.step, scaling=self.ers_scaling,
+                                 horizon_steps=self.cfg.steps - self.step,
+                                 scaling=self.ers_scaling if known is None else known,
                                  ref_busy_s=ref_busy, rollout_scaling=rollout_scaling, train_coupling=coupling,
                                  produced_batches=produced / self.cfg.batch_samples)
 

@@ -262,6 +262,14 @@ class SimBackend(ReplicaCore, TrainerCosts, Switches):
         trainer's and scorer's `*_program_s`: the load and the run of that first call); 0 without them."""
         return self._compiled_s
 
+    def train_scaling(self) -> float:
+        """The speed one more device group adds to the trainer, as a fraction of linear (ERS's economics), as the
+        cost model has it: 1 for the roofline (`costs.train_step_time` divides by the devices), 0 with measured
+        costs (fake devices on one host's cores, `MeasuredCosts`: nothing scales with the device count). A real
+        backend measures it on its first move; one step's per-token time is a noisy probe when the batches'
+        lengths drift."""
+        return 0.0 if self.measured is not None else 1.0
+
     def rollout_scaling(self) -> float | None:
         """The speed one more rollout device group would add, as a fraction of linear (ERS's economics,
         `policies.ers.MoveEconomics.rollout_scaling`), from the replicas' costs at their load since the
