@@ -5,7 +5,10 @@ configuration of benchmarks/goodput.py with the real controller, compare goodput
 
 **Measured side** (never run here: goodput.py takes minutes of both cores): the JSON rows of
 `benchmarks/goodput.py --json` runs, by default /tmp/notes/goodput_run1.json to goodput_run4.json
-(those present), or `--measured PATH ...`. Per mode, the mean goodput over the runs.
+(those present), or `--measured PATH ...`. Per mode, the mean goodput over the runs (since issue 18 one row per
+measured round). goodput.py now loads every program before a run's measured window, so the simulation does
+too (`--loads preloaded`, the default: no program-load costs); `--loads in-window` simulates the older
+goodput.py, whose first mode on each layout paid its loads inside its window.
 
 **Calibration: what is set from what** (all measured by this script, in-process, in seconds; no
 number of the goodput runs enters the simulation; `--reps` interleaved rounds of every measurement,
@@ -664,19 +667,25 @@ def _rollout_key(kv_mode: str, devices: int) -> str:
 
 
 def warm_params(path: str, log=print):
-    """goodput.py's cached SFT warm start (what each of its modes starts from), or None when it is not in
-    `path` (run `benchmarks/goodput.py --modes` once to make it)."""
+    """What each of goodput.py's modes starts from: `path` is an HF checkpoint of its model (goodput.py's default,
+    the shipped checkpoints/tiny_agentic_sft) or a directory of goodput.py's cached SFT warm starts; None when
+    neither is there (run `benchmarks/goodput.py --modes` once to make the cached one)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if os.path.exists(os.path.join(path, "config.json")):
+        import goodput
+
+        assert goodput.MODEL == MODEL, "benchmarks/goodput.py's model changed: update MODEL here"
+        return goodput.warm_start(Tokenizer.builtin(), argparse.Namespace(warm_from=path))
     key = f"{MODEL.hidden_size}x{MODEL.num_layers}_{'-'.join(KINDS)}_500x32"
     if not os.path.isdir(os.path.join(path, key)):
         log(f"no warm start {key} in {path}: the rollout loop is not measured (demonstration shapes, no per-call "
             f"or program costs)")
         return None
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import goodput  # (its JAX stack is loaded by now)
 
     assert goodput.MODEL == MODEL, "benchmarks/goodput.py's model changed: update MODEL here"
     return goodput.warm_start(Tokenizer.builtin(), argparse.Namespace(
-        tasks=list(KINDS), sft_steps=500, sft_batch=32, warm_cache=path))
+        tasks=list(KINDS), sft_steps=500, sft_batch=32, warm_cache=path, warm_from=""))
 
 
 def calibrate(shapes, reps: int, log=print, warm_cache: str = "",
@@ -950,8 +959,12 @@ def main():
     p.add_argument("--draws", type=int, default=4, help="draws of the policy's samples (sampling seeds) measured")
     p.add_argument("--reps", type=int, default=4, help="interleaved measurement rounds (the fastest is kept)")
     p.add_argument("--calibration", help="reuse the calibration of an earlier --json output (no measuring)")
-    p.add_argument("--warm-cache", default=str(ROOT / ".cache" / "goodput_warm"),
-                   help="goodput.py's cached warm start (the policy whose rollout loop is measured)")
+    p.add_argument("--warm-cache", default=str(ROOT / "checkpoints" / "tiny_agentic_sft"),
+                   help="goodput.py's warm start (the policy whose rollout loop is measured): its --warm-from "
+                        "checkpoint, or the directory of its cached SFT warm starts")
+    p.add_argument("--loads", choices=("preloaded", "in-window"), default="preloaded",
+                   help="program loads: before each run's window (goodput.py since issue 18 loads every program "
+                        "first) or inside it, in goodput's order (goodput.py before that)")
     p.add_argument("--demonstrations", action="store_true",
                    help="simulate the demonstrations' shapes even when the calibration holds measured samples")
     args = p.parse_args()
@@ -998,7 +1011,9 @@ def main():
         for mode in by_mode:
             t0 = time.perf_counter()
             draws = replay[KV_MODE[mode]]
-            by_mode[mode].append((simulate(mode, cal[mode], shapes, seed, programs,
+            costs_ = cal[mode] if args.loads == "in-window" else dataclasses.replace(
+                cal[mode], program_s=0.0, score_program_s=0.0, update_program_s=0.0, ref_program_s=0.0)
+            by_mode[mode].append((simulate(mode, costs_, shapes, seed, programs,
                                            None if draws is None else draws[seed % len(draws)]),
                                   time.perf_counter() - t0))
     for mode, done in by_mode.items():
