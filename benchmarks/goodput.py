@@ -36,9 +36,10 @@ trainer's and scorer's packed micro-batch counts); whichever mode came first use
 measured updates (async, first on the 4-device layouts: updates 3-5 took 19-27 s against a steady 5 s).
 So: a warm-up pass first runs every mode for `--warmup-steps` [3] updates, unmeasured, which fills the
 persistent compile cache for every layout, and every run loads all its programs before its first update
-(`JaxBackend.warmup`: the engine programs the mode's earlier runs ran, the trainer's and ref scorer's step
-programs for every packed micro-batch count the batch can take), since each run builds a new engine and
-trainer; then `--rounds` [3] measured rounds run every mode once each,
+(`JaxBackend.warmup`: the engine's whole shape-bucket grid, 66 programs with the engine's buckets spaced in
+powers of four as the main job's, and the trainer's and ref scorer's step programs for every packed micro-batch
+count the batch can take), since each run builds a new engine and trainer; a run prints any program it still
+loaded during its steps (the warm-up pass compiles, the others only load); then `--rounds` [3] measured rounds run every mode once each,
 the order rotated by one mode per round (round r starts with mode r), so no mode is always first or last
 on a loaded machine. The table gives each mode's median over the rounds with its range, and the ratios
 tiderl / async, tiderl / sync and tiderl / limit as the median (and range) of the per-round ratios
@@ -98,9 +99,6 @@ MODEL = ModelConfig(arch="qwen3", vocab_size=384, hidden_size=128, intermediate_
                     num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, max_position_embeddings=2048,
                     dtype="float32")
 MODES = ("sync", "async", "tiderl", "limit")
-# per mode, the engine programs its earlier runs ran: the next run loads them before its window (the whole
-# bucket grid, 224 programs, would take minutes to load for the few dozen a run uses)
-ENGINE_PROGRAMS: dict[str, frozenset] = {}
 ROLLOUT_DEVICES, TRAIN_DEVICES = 4, 4  # every layout: 4 rollout devices, 4 for train + ref (sync: all 8 both)
 
 
@@ -140,7 +138,7 @@ def run_mode(mode: str, warm_params, tok, args, *, steps: int, skip: int, heldou
     tcfg = TrainerConfig(loss=LossConfig(), learning_rate=1e-4, warmup_steps=1, total_steps=steps + 1,
                          row_len=args.max_context, micro_rows=4)
     ecfg = EngineConfig(page_size=16, num_pages=4096, max_seq_len=2048, max_running=64, prefill_chunk=512,
-                        prefill_budget=2048, max_prefill_rows=16, decode_steps=8)
+                        prefill_budget=2048, max_prefill_rows=16, decode_steps=8, bucket_growth=4)
     rcfg = RolloutConfig(max_turns=args.max_turns, max_new_tokens=args.new_tokens, max_context=args.max_context)
     logdir = tempfile.mkdtemp(prefix=f"goodput_{mode}_")
     c = Controller(init_decoder(MODEL, seed=0), tok, config=ccfg, engine_config=ecfg, rollout_config=rcfg,
@@ -149,14 +147,17 @@ def run_mode(mode: str, warm_params, tok, args, *, steps: int, skip: int, heldou
     # every program the run can ask for, loaded before its first update (a new Controller builds a new engine
     # and trainer, whose programs load again even when the persistent cache holds them)
     micro = [1 << k for k in range(num_micro_batches(ccfg.batch_samples, tcfg.micro_rows).bit_length())]
-    warm_s = c.backend.warmup(micro, ENGINE_PROGRAMS.get(mode, frozenset()))
+    warm_s = c.backend.warmup(micro)
+    loaded = c.engine.programs(), set(c.backend.trainer._programs)
     t0 = time.perf_counter()
     summary = asyncio.run(c.run())
     wall = time.perf_counter() - t0
+    new = sorted(map(str, c.engine.programs() - loaded[0])) + sorted(map(str, set(c.backend.trainer._programs) - loaded[1]))
+    if new:  # programs the run loaded after its warm-up (in its steps)
+        print(f"[{label} {mode}] {len(new)} programs loaded during the run: {'; '.join(new)[:400]}", flush=True)
     greedy = dataclasses.replace(rcfg, temperature=0.0, mode="request")
     score = (sum(evaluate.heldout_reward(c.engine, tok, k, heldout, greedy) for k in args.tasks) / len(args.tasks)
              if heldout else None)
-    ENGINE_PROGRAMS[mode] = ENGINE_PROGRAMS.get(mode, frozenset()) | c.engine.programs()
     c.metrics.close()
     c.checkpointer.close()
     row = dict(mode=mode, **_rates(logdir, skip), kv_hit_rate=summary["kv_hit_rate"],

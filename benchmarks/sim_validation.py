@@ -8,7 +8,7 @@ configuration of benchmarks/goodput.py with the real controller, compare goodput
 (those present), or `--measured PATH ...`. Per mode, the mean goodput over the runs (since issue 18 one row per
 measured round). goodput.py now loads every program before a run's measured window, so the simulation does
 too (`--loads preloaded`, the default: no program-load costs); `--loads in-window` simulates the older
-goodput.py, whose first mode on each layout paid its loads inside its window.
+goodput.py, whose first mode on each layout paid its loads inside its window (its program model spaces the buckets in powers of two; goodput.py now uses four).
 
 **Calibration: what is set from what** (all measured by this script, in-process, in seconds; no
 number of the goodput runs enters the simulation; `--reps` interleaved rounds of every measurement,
@@ -146,7 +146,7 @@ MODEL = ModelConfig(arch="qwen3", vocab_size=384, hidden_size=128, intermediate_
                     num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, max_position_embeddings=2048,
                     dtype="float32")
 ENGINE = dict(page_size=16, num_pages=4096, max_seq_len=2048, max_running=64, prefill_chunk=512,
-              prefill_budget=2048, max_prefill_rows=16, decode_steps=8)
+              prefill_budget=2048, max_prefill_rows=16, decode_steps=8, bucket_growth=4)
 TRAINER = dict(learning_rate=1e-4, warmup_steps=1, row_len=1024, micro_rows=4)
 KINDS = ("calculator", "lookup")
 GROUPS, GROUP_SIZE, STEPS, SKIP, MAX_CONCURRENT = 4, 4, 8, 2, 48
