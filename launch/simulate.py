@@ -202,11 +202,13 @@ def run_one(cfg, mode: str, size: int) -> tuple[dict, object]:
     m = parse_mode(mode)
     if m.base == "async" and "bidirl" in m.options:
         rollout_groups, plan = plan_bidirl(cfg, size, war="war" in m.options)
-    if m.split == "oracle":
-        rollout_groups, plan = oracle_split(cfg, size)
-    ccfg = controller_config(cfg, mode, size, workload, rollout_groups)
     t0 = time.perf_counter()
-    summary, controller = _simulate(cfg, mode, size, ccfg, os.path.join(cfg.logdir, f"{size}", mode))
+    if m.split == "oracle":  # the best run of the sweep is the row
+        rollout_groups, plan, (summary, controller) = oracle_split(cfg, size)
+        ccfg = controller_config(cfg, mode, size, workload, rollout_groups)
+    else:
+        ccfg = controller_config(cfg, mode, size, workload, rollout_groups)
+        summary, controller = _simulate(cfg, mode, size, ccfg, os.path.join(cfg.logdir, f"{size}", mode))
     row = dict(mode=mode, size=size, steps=summary["steps"], batch_samples=ccfg.batch_samples,
                goodput_tokens_per_s=summary["goodput_tokens_per_s"],
                goodput_samples_per_s=summary["goodput_samples_per_s"], step_time_s=summary["step_time_s"],
@@ -236,25 +238,28 @@ def _metrics_rows(controller) -> list[dict]:
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
-def oracle_split(cfg, size: int) -> tuple[int, dict]:
+def oracle_split(cfg, size: int) -> tuple[int, dict, tuple]:
     """The best static async split in hindsight: every rollout / train split of the device groups
-    (`cfg.oracle_train_groups`: only those train group counts, when set) simulated for the run's full
-    length; returns (rollout groups of the best, the sweep)."""
+    (`cfg.oracle_train_groups`: only those train group counts, when set; the best of a partial sweep is a
+    lower bound of the oracle) simulated for the run's full length; returns (rollout groups of the best, the
+    sweep, the best run's (summary, controller))."""
     g = group_size(cfg, size)
     groups = size // g
     counts = [int(x) for x in cfg.oracle_train_groups] or list(range(1, groups))
     w = workloads.workload(cfg.workload)
-    sweep = {}
+    sweep, best_run = {}, None
     for train in counts:
         if not 1 <= train < groups:
             raise ConfigError(f"oracle_train_groups: {train} is not in [1, {groups - 1}] at size {size}")
         ccfg = controller_config(cfg, "async", size, w, rollout_groups=groups - train)
-        summary, _ = _simulate(cfg, "async", size, ccfg, os.path.join(cfg.logdir, f"{size}", f"oracle_train{train}"))
-        sweep[train] = summary["goodput_tokens_per_s"]
+        run = _simulate(cfg, "async", size, ccfg, os.path.join(cfg.logdir, f"{size}", f"oracle_train{train}"))
+        sweep[train] = run[0]["goodput_tokens_per_s"]
+        if sweep[train] == max(sweep.values()):
+            best_run = run
     best = max(sweep, key=sweep.get)
     logging.info("%4d accelerators oracle split: train %d of %d device groups (%s)", size, best, groups,
                  {k: round(v) for k, v in sweep.items()})
-    return groups - best, dict(oracle_train_groups=best, oracle_sweep={str(k): v for k, v in sweep.items()})
+    return groups - best, dict(oracle_train_groups=best, oracle_sweep={str(k): v for k, v in sweep.items()}), best_run
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -406,7 +411,7 @@ def ladder_table(rows: list[dict]) -> str:
 def baselines_table(rows: list[dict]) -> str:
     """tiderl against each fixed-ratio async run and the oracle static split, per size."""
     by = {(r["size"], r["mode"]): r for r in rows}
-    fixed = sorted({r["mode"] for r in rows if r["mode"].startswith(("async@", "streamrl"))})
+    fixed = sorted({r["mode"] for r in rows if r["mode"] == "async" or r["mode"].startswith(("async@", "streamrl"))})
     lines = []
     for n in sorted({r["size"] for r in rows}):
         t = by.get((n, "tiderl"))
