@@ -16,17 +16,14 @@ import argparse
 import asyncio
 import json
 import os
-import pathlib
 import sys
 import time
 import zlib
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _env import setup  # noqa: E402
+
+ROOT = setup()
 
 from tiderl_jax.agents import tasks as T  # noqa: E402
 from tiderl_jax.agents.env import LatencyModel  # noqa: E402

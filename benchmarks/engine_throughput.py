@@ -38,13 +38,10 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT_FOR_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".jax_cache")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", ROOT_FOR_CACHE)  # reruns skip most compiles
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _env import setup  # noqa: E402
+
+ROOT = setup()
 
 import numpy as np  # noqa: E402
 

@@ -43,12 +43,10 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _env import setup  # noqa: E402
+
+ROOT = setup()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

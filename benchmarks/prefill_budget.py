@@ -21,16 +21,13 @@ JSON rows: regime, policy, e2e_latency_p50_s, e2e_latency_p95_s (+ ratio_vs_best
 import argparse
 import json
 import os
-import pathlib
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _env import setup  # noqa: E402
+
+ROOT = setup()
 
 import numpy as np  # noqa: E402
 

@@ -40,19 +40,15 @@ import asyncio
 import functools
 import json
 import os
-import pathlib
 import random
 import signal
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the overhead scenario's groups
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _env import setup  # noqa: E402
+
+ROOT = setup(devices=8)
 
 from tiderl_jax.agents import tasks as T  # noqa: E402
 from tiderl_jax.agents.env import LatencyModel  # noqa: E402
