@@ -505,6 +505,8 @@ def main(argv):
         for mode in cfg.modes:
             row, controller = run_one(cfg, mode, size)
             rows.append(row)
+            with open(os.path.join(cfg.logdir, "rows.jsonl"), "a") as f:  # each run as it ends (a long sweep)
+                f.write(json.dumps(row, default=str) + "\n")
             if cfg.timelines and size == min(sizes):
                 row["timeline"] = controller.metrics.plot_timeline(os.path.join(cfg.logdir, f"timeline_{mode}.png"))
     add_ratios(rows)
