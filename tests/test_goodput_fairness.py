@@ -70,3 +70,34 @@ def test_window_rates_bound_and_compiles_come_from_the_runs_own_metrics(goodput,
     for x in rows:
         x["trainer_wait_total_s"] = 0.0
     assert goodput._rates(_metrics(tmp_path, rows), skip=1)["bound"] == "trainer"
+
+
+def test_regime_map_sweeps_one_setting_at_a_time_and_plots(goodput, tmp_path, monkeypatch):
+    """benchmarks/regime_map.py's glue, with goodput's measurement stubbed: each point changes one setting from
+    the centre, the ratios and bounds of its summary land in the rows, and the plot is written."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setitem(sys.modules, "goodput", goodput)
+    spec = importlib.util.spec_from_file_location("regime_map", ROOT / "benchmarks" / "regime_map.py")
+    regime_map = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regime_map)
+    seen = []
+
+    def measure(modes, warm, tok, args):
+        seen.append((args.latency_median, args.max_turns, args.eta, args.rounds, args.warmup_steps))
+        ratio = 1.5 if args.latency_median > 1 else 1.0
+        return dict(rows=[dict(mode=m, round=0) for m in modes], summary={
+            "async": dict(bound="waiting" if ratio > 1 else "trainer"), "tiderl": dict(bound="rollout"),
+            "tiderl/async": dict(median=ratio, low=ratio - 0.1, high=ratio + 0.1)})
+    monkeypatch.setattr(goodput, "measure", measure)
+    monkeypatch.setattr(goodput, "warm_start", lambda tok, args: None)
+    out = tmp_path / "map.json"
+    monkeypatch.setattr(sys, "argv", ["regime_map.py", "--points", "centre", "latency 1.5 s", "eta 2", "--json",
+                                      str(out), "--plot", str(tmp_path / "map.png")])
+    regime_map.main()
+    assert seen == [(0.3, 8, 1, 2, 0), (1.5, 8, 1, 2, 0), (0.3, 8, 2, 2, 0)]
+    rows = json.load(open(out))["rows"]
+    assert [(r["point"], r["median"], r["async_bound"]) for r in rows] == [
+        ("centre", 1.0, "trainer"), ("latency 1.5 s", 1.5, "waiting"), ("eta 2", 1.0, "trainer")]
+    assert (tmp_path / "map.png").stat().st_size > 0
