@@ -158,22 +158,6 @@ class JaxBackend:
             self.ref_scorer.warmup(micro_counts)
         return time.perf_counter() - t0
 
-    @property
-    def shared_compute(self) -> bool:
-        """True when every device is one host's CPU (`--xla_force_host_platform_device_count`): the fake
-        devices share the host's cores, so a device group more makes no role faster."""
-        return len(self.devices) > 1 and all(d.platform == "cpu" and d.process_index == self.devices[0].process_index
-                                             for d in self.devices)
-
-    def rollout_scaling(self) -> float | None:
-        """The speed one more device group adds to the rollout, as a fraction of linear: 0 on shared cores;
-        None (unknown: ERS assumes its prior) otherwise."""
-        return 0.0 if self.shared_compute else None
-
-    def train_scaling(self) -> float | None:
-        """The same for the trainer: 0 on shared cores; None otherwise (ERS measures it on its first move)."""
-        return 0.0 if self.shared_compute else None
-
     # ---------------------------------------------------------------- state
 
     def arrays(self) -> dict[str, Any]:
