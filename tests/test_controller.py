@@ -75,7 +75,8 @@ def test_ers_moves_devices_and_results_stay_right(tmp_path):
     # without the cost-benefit gate, patience 1 moves a group at the first deficit
     c = _controller(tmp_path, "tiderl", ers_economics=False)
     summary = asyncio.run(c.run())
-    assert summary["moves"] >= 1 and c.engine.stats()["moves"] == summary["moves"]
+    assert summary["moves"] >= 1  # the engine moved with every move that changed the rollout devices
+    assert c.engine.stats()["moves"] == sum("rollout" in (m["frm"], m["to"]) for m in c.moves) >= 1
     rollout = set(c.pool.devices_of("rollout"))
     assert set(jax.tree.leaves(c.engine.runner.params)[0].sharding.device_set) == rollout
     assert set(jax.tree.leaves(c.trainer.params)[0].sharding.device_set) == set(c.pool.devices_of("train"))

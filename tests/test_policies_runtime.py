@@ -452,6 +452,61 @@ def test_with_economics_the_best_allowed_move_wins():
     assert move is None and "best move (rollout -> train)" in history.refused
 
 
+def test_a_ref_group_ra2p_leaves_idle_goes_to_train_after_patience():
+    # balanced signals (no deficit), but RA2P ran the ref pass colocated: its devices sat out the step
+    config = ERSConfig(patience=2)
+    idle = _ers(ref_groups=1, ref_idle=True)
+    move, history = decide(idle, ERSHistory(), config)
+    assert move is None and history.idle_ref_streak == 1
+    move, history = decide(idle, history, config)
+    assert move == Move("ref", "train", "colocated", "idle ref group")
+    # a used ref group (decoupled), or none at all, is never idle
+    for s in (_ers(ref_groups=1), _ers(ref_idle=True)):
+        _, h = decide(s, ERSHistory(idle_ref_streak=5), ONE_STEP)
+        assert h.idle_ref_streak == 0
+    # with economics only the ref group's moves are candidates: a trainer-bound step takes it to train,
+    # a rollout that scales and bounds the step takes it to rollout
+    move, _ = decide(_ers(ref_groups=1, ref_idle=True), ERSHistory(), ONE_STEP, _econ(move_cost_s=1.0))
+    assert (move.from_role, move.to_role, move.reason) == ("ref", "train", "idle ref group")
+    move, _ = decide(_ers(ref_groups=1, ref_idle=True, trainer_idle_s=0.4), ERSHistory(), ONE_STEP,
+                     _econ(train_busy_s=3.0, rollout_busy_s=9.0, move_cost_s=1.0))
+    assert (move.from_role, move.to_role) == ("ref", "rollout")
+    move, history = decide(idle, ERSHistory(), ONE_STEP, _econ(move_cost_s=1e6))
+    assert move is None and "idle ref group: the best move (ref -> train)" in history.refused
+
+
+def test_per_move_costs_choose_the_best_move_net_of_its_cost():
+    # STARVED on 3 train groups: ref -> rollout gains more per step than ref -> train, but costs more
+    # (the engine's whole bucket grid against the trainer's programs); net of cost ref -> train wins
+    s = _ers(**STARVED, ref_groups=1, train_groups=3)
+    e = _econ(train_busy_s=6.0, rollout_busy_s=6.0, move_cost_s=1.0, train_coupling=0.5)
+    g_roll, g_train = ers.move_gain(s, e, "rollout", "ref"), ers.move_gain(s, e, "train", "ref")
+    assert g_roll > g_train > 0
+    assert decide(s, ERSHistory(), ONE_STEP, e)[0].to_role == "rollout"
+    costs = {("ref", "rollout"): 10 * (g_roll - g_train) + 1.5, ("ref", "train"): 1.0}
+    move, _ = decide(s, ERSHistory(), ONE_STEP, dataclasses.replace(e, move_costs=costs))
+    assert (move.from_role, move.to_role, move.cost_s) == ("ref", "train", 1.0)
+    assert dataclasses.replace(e, move_costs=costs).cost("train", "rollout") == 1.0  # the default
+    with pytest.raises(ValueError, match="move_costs"):
+        _econ(move_costs={("ref", "train"): -1.0})
+
+
+def test_jax_backend_move_costs_are_the_rebuilt_parts_program_loads():
+    from types import SimpleNamespace
+
+    from tiderl_jax.runtime.backend import JaxBackend
+    from tiderl_jax.runtime.pool import DevicePool
+    b = JaxBackend.__new__(JaxBackend)
+    b.engine, b.trainer, b.ref_scorer = (SimpleNamespace(compile_s=x) for x in (30.0, 4.0, 2.0))
+    b.pool = DevicePool.split(list(range(8)), group_size=2, rollout=2, ref=1, train=1)
+    costs = b.move_costs()
+    assert costs[("ref", "train")] == 4.0  # the last ref group goes: only the trainer rebuilds
+    assert costs[("ref", "rollout")] == 30.0
+    assert costs[("rollout", "train")] == 34.0 and costs[("train", "ref")] == 6.0
+    b.pool = None  # sync: nothing moves
+    assert b.move_costs() == {}
+
+
 def test_train_coupling_and_staleness_room():
     assert ers.train_coupling(5.0, 10.0, 1) == pytest.approx(0.25)
     assert ers.train_coupling(20.0, 10.0, 0) == 1.0 and ers.train_coupling(1.0, 0.0, 1) == 0.0

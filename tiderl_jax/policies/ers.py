@@ -15,6 +15,11 @@ Rule (the paper's, with the thresholds and hysteresis ours, all in `ERSConfig`):
   RA2P's break-even RAS -> one group rollout -> train, RA2P switches to decoupled.
   A generation deficit takes precedence (ours): a trainer that idled is not the bottleneck, even if
   an item waited in the buffer (e.g. for its batch to fill).
+- **idle ref group** (ours): RA2P ran the ref pass colocated (`ref_idle`) at `patience` consecutive
+  boundaries while ref groups are held, with neither deficit -> one group ref -> train (the colocated
+  ref pass runs there), with economics ref -> train or ref -> rollout, whichever pays more. Devices RA2P
+  does not use must not sit out the run (issue 18: goodput.py's tiderl kept an idle ref group beside a
+  trainer on half async's devices, and lost to async).
 - hysteresis (ours): a deficit moves a group only after `patience` consecutive boundaries; after a
   move both streaks restart, so each further move needs fresh evidence from the new split; the
   reverse move is refused for `cooldown` boundaries after a move (no ping-pong).
@@ -25,7 +30,8 @@ Rule (the paper's, with the thresholds and hysteresis ours, all in `ERSConfig`):
 
 - a move must pay for itself (ours, after BiDiRL's borrowing rule, MECHANISMS.md §3): when the
   caller passes `MoveEconomics`, a deficit moves a group only if the predicted step-time gain over
-  the steps left exceeds the predicted move cost (reshard + recompile, measured), see `move_gain`,
+  the steps left exceeds the predicted move cost (reshard + recompile, measured; per move where the
+  caller can tell them apart, `move_costs`), see `move_gain`,
   and the gain per step is at least `min_gain_fraction` of the step (a smaller one is within the
   noise of one step's measurements: on a drifting workload such predictions flipped sign step after
   step and ERS moved groups back and forth, paying each move).
@@ -37,7 +43,8 @@ Rule (the paper's, with the thresholds and hysteresis ours, all in `ERSConfig`):
   memory-bound decoding at small batches barely speeds up with more replicas.
 - with economics the deficit says *that* a move is wanted, the economics say *which* (ours): every
   move of one group that leaves its role at or above its minimum (ref -> rollout, train -> rollout,
-  ref -> train, rollout -> train) is scored by `move_gain`, and the best one moves if it pays and
+  ref -> train, rollout -> train) is scored by `move_gain` over the steps left net of its cost, and the
+  best one moves if it pays and
   does not reverse the last move within the cooldown (then nothing moves). A trainer that idles because rollout
   latency and the staleness bound hold admission (`train_coupling`) is sped up by a train group, not
   by rollout devices that would only idle too. Without economics the paper's directions hold.
@@ -94,6 +101,7 @@ class ERSSignals:
     train_groups: int  # device groups the train role (actor, colocated ref) holds now
     phase: str = "train"  # one of PHASES
     ref_groups: int = 0  # device groups the ref role holds now (decoupled ref)
+    ref_idle: bool = False  # the ref groups ran nothing this step (RA2P chose colocated: the ref pass ran on train)
 
     def __post_init__(self):
         if self.phase not in PHASES:
@@ -123,12 +131,19 @@ class MoveEconomics:
     # batches of fresh samples the rollout delivered to the ready buffer during the last step (samples over the
     # ideal batch): above 1 the backlog grew, so a batch took less than the rollout's busy time to produce
     produced_batches: float = 1.0
+    # predicted seconds of particular moves, {(from_role, to_role): seconds}, where they differ (a move rebuilds
+    # only the parts whose devices change: the trainer's programs, the engine's whole bucket grid); other moves
+    # cost `move_cost_s`
+    move_costs: dict | None = None
 
     def __post_init__(self):
         for name in ("train_busy_s", "rollout_busy_s", "move_cost_s", "horizon_steps", "ref_busy_s",
                      "produced_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ERS economics {name}={getattr(self, name)} must be >= 0")
+        for move, seconds in (self.move_costs or {}).items():
+            if not seconds >= 0:
+                raise ValueError(f"ERS economics move_costs[{move}]={seconds} must be >= 0")
         if not 0.0 <= self.scaling <= 1.0:
             raise ValueError(f"ERS economics scaling={self.scaling} must be in [0, 1]")
         if self.rollout_scaling is not None and not 0.0 <= self.rollout_scaling <= 1.0:
@@ -136,11 +151,16 @@ class MoveEconomics:
         if not 0.0 <= self.train_coupling <= 1.0:
             raise ValueError(f"ERS economics train_coupling={self.train_coupling} must be in [0, 1]")
 
+    def cost(self, from_role: str, to_role: str) -> float:
+        """Predicted seconds of moving one group from `from_role` to `to_role`."""
+        return (self.move_costs or {}).get((from_role, to_role), self.move_cost_s)
+
 
 @dataclasses.dataclass(frozen=True)
 class ERSHistory:
     generation_streak: int = 0  # consecutive boundaries with a generation deficit
     consumption_streak: int = 0  # consecutive boundaries with a consumption deficit
+    idle_ref_streak: int = 0  # consecutive boundaries at which RA2P left the ref groups idle
     last_move_to: str | None = None  # role the last move went to (None: no move yet)
     boundaries_since_move: int = 0
     refused: str = ""  # why this boundary's wanted move did not happen ("" if none was wanted)
@@ -151,7 +171,7 @@ class Move:
     from_role: str
     to_role: str
     ra2p_mode: str  # the RA2P mode to run from the next step on
-    reason: str  # "generation deficit", "consumption deficit", "cold_start" or "eval"
+    reason: str  # "generation deficit", "consumption deficit", "idle ref group", "cold_start" or "eval"
     gain_s: float | None = None  # predicted step-time gain over the horizon (with economics)
     cost_s: float | None = None  # predicted cost of the move (with economics)
 
@@ -262,6 +282,7 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig 
     history = ERSHistory(
         generation_streak=history.generation_streak + 1 if generation else 0,
         consumption_streak=history.consumption_streak + 1 if consumption else 0,
+        idle_ref_streak=history.idle_ref_streak + 1 if s.ref_idle and s.ref_groups > 0 else 0,
         last_move_to=history.last_move_to,
         boundaries_since_move=history.boundaries_since_move + 1)
 
@@ -271,6 +292,8 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig 
         to_role, reason = ROLLOUT, "generation deficit"
     elif history.consumption_streak >= config.patience:
         to_role, reason = TRAIN, "consumption deficit"
+    elif history.idle_ref_streak >= config.patience:
+        to_role, reason = TRAIN, "idle ref group"  # the colocated ref pass runs on the train devices
     else:
         return None, history
     groups[REF], minimum[REF] = s.ref_groups, 0
@@ -282,21 +305,24 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig 
                 and history.boundaries_since_move <= config.cooldown and s.phase == "train")
 
     from_role = TRAIN if to_role == ROLLOUT else ROLLOUT
-    if to_role == ROLLOUT and s.ref_groups > 0:
+    if (to_role == ROLLOUT or reason == "idle ref group") and s.ref_groups > 0:
         from_role = REF  # colocated from now on: the ref devices are the ones that would idle
     gain = cost = None
     if economics is not None and s.phase == "train":
-        candidates = [(frm, to) for frm, to in ((REF, ROLLOUT), (TRAIN, ROLLOUT), (REF, TRAIN), (ROLLOUT, TRAIN))
-                      if groups[frm] > minimum[frm]]
+        moves = ((REF, ROLLOUT), (REF, TRAIN)) if reason == "idle ref group" else \
+            ((REF, ROLLOUT), (TRAIN, ROLLOUT), (REF, TRAIN), (ROLLOUT, TRAIN))
+        candidates = [(frm, to) for frm, to in moves if groups[frm] > minimum[frm]]
         if not candidates:
             return None, dataclasses.replace(history, refused=f"{reason}: every role at its minimum")
         gains = {mv: move_gain(s, economics, mv[1], mv[0]) for mv in candidates}
-        (from_role, to_role), best = max(gains.items(), key=lambda kv: kv[1])  # first listed on ties
+        # the best by what it saves over the steps left net of its own cost (first listed on ties)
+        (from_role, to_role), best = max(gains.items(), key=lambda kv: (
+            kv[1] * economics.horizon_steps - economics.cost(*kv[0]) if kv[1] > -float("inf") else -float("inf")))
         if reversal(from_role, to_role):  # the best move is held: no second-best move instead
             return None, dataclasses.replace(
                 history, refused=f"{reason}: the best move ({from_role} -> {to_role}) reverses the last one "
                                  f"within the cooldown")
-        gain, cost = best * economics.horizon_steps, economics.move_cost_s
+        gain, cost = best * economics.horizon_steps, economics.cost(from_role, to_role)
         if best < config.min_gain_fraction * s.step_time_s:
             return None, dataclasses.replace(
                 history, refused=f"{reason}: the best move ({from_role} -> {to_role}) saves {best:.2f}s per step, "

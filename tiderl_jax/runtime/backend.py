@@ -145,6 +145,26 @@ class JaxBackend:
     def compile_s(self) -> float:
         return self.engine.compile_s + self.trainer.compile_s
 
+    def move_costs(self) -> dict[tuple[str, str], float]:
+        """ERS's predicted seconds of each move before one is measured: a move rebuilds only the parts whose
+        devices change, and their programs load again on the new mesh, so each part costs the program-load
+        seconds it has spent so far (the engine's bucket grid, the trainer's step programs, the ref scorer's, or
+        the trainer's for a ref scorer not built yet; nothing for a scorer that goes). Loads from the
+        persistent compile cache make these low when the new mesh's programs are not cached: the controller
+        replaces a move's estimate by its measured cost once it has made one."""
+        parts = {"rollout": self.engine.compile_s, "train": self.trainer.compile_s,
+                 "ref": self.ref_scorer.compile_s if self.ref_scorer is not None else self.trainer.compile_s}
+        if self.pool is None:
+            return {}
+        costs = {}
+        for frm in ("rollout", "ref", "train"):
+            for to in ("rollout", "ref", "train"):
+                if frm == to or self.pool.num_groups(frm) == 0:
+                    continue
+                ref_stays = "ref" not in (frm, to) or self.pool.num_groups("ref") - (frm == "ref") > 0
+                costs[(frm, to)] = sum(parts[r] for r in {frm, to} if r != "ref" or ref_stays)
+        return costs
+
     def warmup(self, micro_counts: Sequence[int], engine_programs=None) -> float:
         """Loads the programs the run will ask for before it starts: the engine's whole shape-bucket grid (or
         `engine_programs`: those an engine of the same config ran, `Engine.programs()`) and the trainer's (and

@@ -166,6 +166,7 @@ class Controller:
         self.ers_scaling = config.ers_scaling  # measured after the first move that changes the trainer
         self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
+        self._measured_move_costs: dict[tuple[str, str], float] = {}  # (from, to) -> the last such move's seconds
         self._stop = False
         # groups in a row whose every sample raised (a broken rollout side) or had a prompt too long for
         # the context: past FAILED_GROUPS_LIMIT the producer stops with the last error instead of
@@ -550,6 +551,7 @@ class Controller:
         if probe is not None:  # the first step on the new layout: measure what the move did
             self._scaling_probe = None
             self._move_cost = probe["seconds"] + self._compile_seconds() - probe["compiled"]
+            self._measured_move_costs[probe["move"]] = self._move_cost
             actor_busy = self._timings.get("actor_busy", train_busy)
             if tokens > 0 and probe["per_token"] > 0 and actor_busy > 0:
                 ratio = (actor_busy / tokens) / probe["per_token"]
@@ -567,12 +569,15 @@ class Controller:
             cost = self.backend.move_cost_estimate()
         else:
             cost = self._compile_seconds()
+        # per move where the backend can tell (the parts a move rebuilds), the moves already made as measured
+        move_costs = dict(self.backend.move_costs()) if hasattr(self.backend, "move_costs") else {}
+        move_costs.update(self._measured_move_costs)
         produced, self._produced_mark = self._produced - self._produced_mark, self._produced
         return ers.MoveEconomics(train_busy_s=train_busy, rollout_busy_s=rollout_busy, move_cost_s=cost,
                                  horizon_steps=self.cfg.steps - self.step,
                                  scaling=self.ers_scaling if known is None else known,
                                  ref_busy_s=ref_busy, rollout_scaling=rollout_scaling, train_coupling=coupling,
-                                 produced_batches=produced / self.cfg.batch_samples)
+                                 produced_batches=produced / self.cfg.batch_samples, move_costs=move_costs)
 
     async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float, tokens: int):
         if self.cfg.mode != "tiderl" or not self.cfg.ers:
@@ -582,7 +587,8 @@ class Controller:
             ready_volume=sum(len(g.trajectories) for g in self.ready), ideal_batch=self.cfg.batch_samples,
             trainer_idle_s=waited, hol_latency_s=hol, step_time_s=step_time, ras=ras,
             break_even_ras=math.inf, rollout_groups=self.pool.num_groups("rollout"),
-            train_groups=self.pool.num_groups("train"), ref_groups=self.pool.num_groups("ref"))
+            train_groups=self.pool.num_groups("train"), ref_groups=self.pool.num_groups("ref"),
+            ref_idle=self.ra2p_mode == ra2p.COLOCATED)
         move, self.ers_history = ers.decide(signals, self.ers_history,
                                             ers.ERSConfig(patience=self.cfg.ers_patience,
                                                           cooldown=self.cfg.ers_cooldown),
@@ -602,6 +608,7 @@ class Controller:
         seconds = self.clock() - t0
         actor_busy = self._timings.get("actor_busy", self._timings["train_busy"])
         self._scaling_probe = dict(groups=groups_before, seconds=seconds, compiled=compiled,
+                                   move=(move.from_role, move.to_role),
                                    per_token=actor_busy / max(tokens, 1))
         self._timings.update(t_act=None, t_ref_col=None)  # measured again on the new mesh
         record = dict(step=self.step, frm=move.from_role, to=move.to_role, reason=move.reason,
