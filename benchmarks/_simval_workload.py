@@ -27,7 +27,7 @@ KINDS = ("calculator", "lookup")
 GROUPS, GROUP_SIZE, STEPS, SKIP, MAX_CONCURRENT = 4, 4, 8, 2, 48
 LATENCY = (0.3, 1.0, 5.0)  # median s, sigma, cap s
 # rollout / ref / train devices of each mode's layout (goodput.py run_mode; sync: all 8 for everything)
-LAYOUTS = {"sync": (8, 0, 8), "async": (4, 0, 4), "tiderl": (4, 2, 2), "limit": (4, 2, 2)}
+LAYOUTS = {"sync": (8, 0, 8), "async": (4, 0, 4), "tiderl": (4, 0, 4), "limit": (4, 0, 4)}
 MODES = ("sync", "async", "tiderl", "limit")
 DEFAULT_MEASURED = [f"/tmp/notes/goodput_run{i}.json" for i in (1, 2, 3, 4)]
 LONG = 448  # context tokens of the long-context decode and prefill measurements (later turns' contexts)

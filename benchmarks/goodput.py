@@ -20,8 +20,13 @@ Workload (every parameter is a flag; defaults in brackets):
   rates;
 - 8 faked CPU devices, each mode in its own layout: sync puts rollout and training on all 8 (they
   take turns); async (AReaL-like) splits them into rollout 4 and train 4, the reference scored on
-  the train devices; tiderl into rollout 4, reference 2 and train 2 (device groups of 2; RA2P runs
-  the reference on its own devices or on the train devices, ERS moves groups when a move pays).
+  the train devices; tiderl the same (device groups of 2; ERS moves groups when a move pays), or with
+  `--ref-groups 1` into rollout 4, reference 2 and train 2 (RA2P runs the reference on its own devices or
+  on the train devices). Measured (issue 18, one round, 8 updates): async 154 tokens/s; tiderl in async's
+  layout 153; tiderl with the reference group and ERS off 125 (its trainer on 2 devices takes longer than the
+  reference pipelining saves; RA2P's choice compares the reference's placements, not what its devices would
+  do for the trainer); with ERS on, before its move-cost estimate counted a new mesh's compile, 89 (ERS moved
+  the reference group to rollout and the engine compiled 66 programs for 6 devices inside the window).
 
 Modes (the same `Controller`, different settings): `sync` (staleness 0, rollout and training take
 turns, request-level rollout), `async` (staleness 1, disjoint groups, request-level rollout),
@@ -129,8 +134,8 @@ def run_mode(mode: str, warm_params, tok, args, *, steps: int, skip: int, heldou
                             groups_per_step=args.groups, group_size=args.group_size,
                             eta=None if mode == "sync" else args.eta,
                             max_concurrent=args.max_concurrent, task_kinds=tuple(args.tasks),
-                            device_group_size=2, rollout_groups=2, ref_groups=0 if mode == "async" else 1,
-                            train_groups=2 if mode == "async" else 1, tensor=2)
+                            device_group_size=2, rollout_groups=2, ref_groups=args.ref_groups if mode in ("tiderl", "limit") else 0,
+                            train_groups=2 - (args.ref_groups if mode in ("tiderl", "limit") else 0), tensor=2)
     tcfg = TrainerConfig(loss=LossConfig(), learning_rate=1e-4, warmup_steps=1, total_steps=steps + 1,
                          row_len=args.max_context, micro_rows=4)
     ecfg = EngineConfig(page_size=16, num_pages=4096, max_seq_len=2048, max_running=64, prefill_chunk=512,
@@ -250,6 +255,8 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--eta", type=int, default=1, help="staleness bound of async and tiderl")
     p.add_argument("--max-concurrent", type=int, default=48)
+    p.add_argument("--ref-groups", type=int, default=0, choices=(0, 1),
+                   help="tiderl's (and limit's) reference groups of 2 devices, taken from its 4 train devices")
     p.add_argument("--max-turns", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--max-context", type=int, default=1024, help="tokens per trajectory (also the trainer's row)")

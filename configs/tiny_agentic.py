@@ -4,7 +4,9 @@ A 1.0M-parameter Qwen3-style model (configs/tiny.py's family at hidden 128: a tr
 cheaper than the 3.25M tiny model's, which is what fits warm start + RL into ~13 minutes on two
 cores: the warm start stopped at 550 of its 800 steps in a measured run, 773 s in all;
 benchmarks/learning.py uses the same size) on 8 faked CPU devices, cut into device groups of 2:
-rollout 2 groups (4 devices), reference 1, train 1; ERS moves groups between rollout and train.
+rollout 2 groups (4 devices), train 2, no reference group: the reference is scored on the train devices
+(RA2P colocated; this config's loss has no KL term, and benchmarks/goodput.py measured a reference group of its
+own costing more than its pipelining saves on this CPU); ERS moves groups between rollout and train.
 Environment latency is real waiting (log-normal, median 0.3 s). Every key can be overridden with
 `--config.x.y=v`.
 """
@@ -48,7 +50,7 @@ def get_config():
     # the main job's values), so each can be set with --config.<section>.<key>=v
     c.controller = section(ControllerConfig, exclude=("task_kinds",),
         mode="tiderl", steps=14, groups_per_step=8, group_size=8, eta=1, max_concurrent=128,
-        device_group_size=2, rollout_groups=2, ref_groups=1, train_groups=1, tensor=2, ers_patience=2,
+        device_group_size=2, rollout_groups=2, ref_groups=0, train_groups=2, tensor=2, ers_patience=2,
         ers_cooldown=3, checkpoint_every=5)
     c.engine = section(EngineConfig, page_size=16, num_pages=2048, max_seq_len=1024, max_running=64,
                        prefill_chunk=512, prefill_budget=2048, max_prefill_rows=16, decode_steps=8, bucket_growth=4)

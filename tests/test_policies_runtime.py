@@ -503,6 +503,9 @@ def test_jax_backend_move_costs_are_the_rebuilt_parts_program_loads():
     assert costs[("ref", "train")] == 4.0  # the last ref group goes: only the trainer rebuilds
     assert costs[("ref", "rollout")] == 30.0
     assert costs[("rollout", "train")] == 34.0 and costs[("train", "ref")] == 6.0
+    b._warm_s = {"rollout": 40.0, "train": 3.0}  # a warm-up's seconds bound each part's estimate from below
+    costs = b.move_costs()
+    assert costs[("ref", "rollout")] == 40.0 and costs[("ref", "train")] == 4.0 and costs[("train", "ref")] == 7.0
     b.pool = None  # sync: nothing moves
     assert b.move_costs() == {}
 

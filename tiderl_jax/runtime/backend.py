@@ -149,11 +149,15 @@ class JaxBackend:
         """ERS's predicted seconds of each move before one is measured: a move rebuilds only the parts whose
         devices change, and their programs load again on the new mesh, so each part costs the program-load
         seconds it has spent so far (the engine's bucket grid, the trainer's step programs, the ref scorer's, or
-        the trainer's for a ref scorer not built yet; nothing for a scorer that goes). Loads from the
-        persistent compile cache make these low when the new mesh's programs are not cached: the controller
+        the trainer's for a ref scorer not built yet; nothing for a scorer that goes), at least the seconds its
+        `warmup` took (programs an earlier engine of this process compiled load in no time, yet a new mesh's
+        compile: measured, goodput.py's engine on 6 devices compiled for 22-32 s inside a run whose estimate
+        had been its 0 s of loads). Still low when the new mesh's programs are in no cache: the controller
         replaces a move's estimate by its measured cost once it has made one."""
+        warm = getattr(self, "_warm_s", {})
         parts = {"rollout": self.engine.compile_s, "train": self.trainer.compile_s,
                  "ref": self.ref_scorer.compile_s if self.ref_scorer is not None else self.trainer.compile_s}
+        parts = {r: max(v, warm.get(r, warm.get("train", 0.0) if r == "ref" else 0.0)) for r, v in parts.items()}
         if self.pool is None:
             return {}
         costs = {}
@@ -171,11 +175,12 @@ class JaxBackend:
         the decoupled ref scorer's) step programs for each packed micro-batch count; returns seconds. (An
         engine worker warms itself up.) Programs of a mesh an ERS move creates load at the move."""
         t0 = time.perf_counter()
+        self._warm_s = {}  # seconds per part: `move_costs` reads them
         if not self.engine_workers:
-            self.engine.warmup(engine_programs)
-        self.trainer.warmup(micro_counts)
+            self._warm_s["rollout"] = self.engine.warmup(engine_programs)
+        self._warm_s["train"] = self.trainer.warmup(micro_counts)
         if self.ref_scorer is not None:
-            self.ref_scorer.warmup(micro_counts)
+            self._warm_s["ref"] = self.ref_scorer.warmup(micro_counts)
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------- state
