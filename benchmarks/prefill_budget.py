@@ -3,7 +3,7 @@
     python benchmarks/prefill_budget.py [--quick] [--json out.json]
 
 The engine batches decodes with chunks of pending prefills; the prefill budget caps the prompt tokens
-per step (`tiderl_jax/policies/prefill_budget.py`). P-PAS (MECHANISMS.md §7) uses the small cap only
+per step (`tiderl_jax/policies/prefill_budget.py`). P-PAS (docs/mechanisms.md) uses the small cap only
 under prefill pressure (>= 2 requests prefilling while >= 1 decodes). The paper's budgets are 2048
 vs 16384 tokens on GPUs; here 256 vs 2048 (the same 1:8 ratio, scaled to a 2-core CPU).
 

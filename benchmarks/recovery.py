@@ -2,7 +2,7 @@
 
     python benchmarks/recovery.py [--quick] [--json out.json] [--compile-cache]
 
-Scenarios (MECHANISMS.md §5; `tiderl_jax/faults/`), each a JSON row with `scenario`, `recovery_s`,
+Scenarios (docs/mechanisms.md, Belayer; `tiderl_jax/faults/`), each a JSON row with `scenario`, `recovery_s`,
 `baseline_s`, `speedup` (= baseline_s / recovery_s) and `tasks_lost` (must be 0):
 
 - `engine`: generations run in an engine worker process (`EngineClient`); once every generation

@@ -1,7 +1,7 @@
 """The CPU default: a ~3M-parameter Qwen3-style model that trains in minutes on 2 cores.
 
 The vocabulary is the built-in byte tokenizer's 265 ids padded to 384 (a small vocabulary keeps the
-logits cheap on a CPU, see JAX_NOTES.md). Eight faked CPU devices form a 4 x 2 fsdp x tensor mesh.
+logits cheap on a CPU, see docs/architecture.md, Conventions). Eight faked CPU devices form a 4 x 2 fsdp x tensor mesh.
 """
 
 from tiderl_jax.config import base_config

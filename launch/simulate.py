@@ -278,7 +278,7 @@ def add_ratios(rows: list[dict]) -> None:
             r["waiting_vs_sync"] = wait / wait_s - 1 if wait_s else float("nan")
 
 
-# the papers' headline numbers (abstracts in ../shared/seeds/), each with how we compute ours: "up to", as
+# the papers' headline numbers (docs/mechanisms.md, last section), each with how we compute ours: "up to", as
 # the papers state them, is the best value over the cluster sizes simulated
 ANCHORS = {
     "tiderl": (

@@ -1,4 +1,4 @@
-"""BiDiRL's static planner and bidirectional borrowing rule on hand-built time models (MECHANISMS.md §3)."""
+"""BiDiRL's static planner and bidirectional borrowing rule on hand-built time models (docs/mechanisms.md, BiDiRL)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""CTB's decision rules on hand-built signals (MECHANISMS.md §1a)."""
+"""CTB's decision rules on hand-built signals (docs/mechanisms.md, CTB)."""
 
 from tiderl_jax.policies.ctb import (CTBWeights, TaskKVSignals, admit_tasks, choose_evictions,
                                      estimate_footprint, expected_remaining_turns, task_priority)

@@ -341,7 +341,7 @@ def test_ers_rejects_bad_input_by_name(make, field):
 
 
 def test_generation_deficit_gives_a_ref_group_first():
-    # MECHANISMS.md §1c: "move one device group from ref/train to rollout"; colocated from then on,
+    # docs/mechanisms.md (ERS): a generation deficit moves one group ref/train -> rollout; colocated from then on,
     # so the ref devices are the ones that would idle
     move, history = decide(_ers(**STARVED, ref_groups=1), ERSHistory(), ONE_STEP)
     assert move == Move("ref", "rollout", "colocated", "generation deficit")

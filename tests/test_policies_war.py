@@ -1,4 +1,4 @@
-"""WAR placement, concurrency window and speculative-decoding rule on hand-built signals (MECHANISMS.md §2)."""
+"""WAR placement, concurrency window and speculative-decoding rule on hand-built signals (docs/mechanisms.md, WAR)."""
 
 import pytest
 

@@ -11,7 +11,7 @@ CTB:    footprint   KV kept + pinned   resume: prefill only the observation toke
 request-level:      KV released        resubmit: prefill the whole context (prefix cache may hit)
 ```
 
-CTB (`mode="ctb"`, MECHANISMS.md §1a, rules in `tiderl_jax/policies/ctb.py`): tasks are admitted
+CTB (`mode="ctb"`, docs/mechanisms.md, rules in `tiderl_jax/policies/ctb.py`): tasks are admitted
 while their footprint estimates fit the KV budget; a waiting task's KV stays resident and pinned;
 before each engine step, if free KV falls below what the generating tasks need, waiting tasks are
 evicted (lowest priority, or longest expected wait when `readiness_aware`) and recompute on resume.

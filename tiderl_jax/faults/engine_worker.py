@@ -1,6 +1,6 @@
 """Rollout engines in worker processes: health checks, a warm standby, token checkpoints, failover.
 
-MECHANISMS.md §5 (Belayer, engine failure). `EngineClient` serves generation requests with an
+docs/mechanisms.md (Belayer, engine failure). `EngineClient` serves generation requests with an
 `Engine` (`engine/engine.py`) that runs in a worker process, and keeps serving when that process
 dies or hangs:
 

@@ -1,6 +1,6 @@
 """Environments in subprocesses, their snapshots, and recovery from a crash by restore and rewind.
 
-MECHANISMS.md §5 (Belayer, environment failure). Two layers:
+docs/mechanisms.md (Belayer, environment failure). Two layers:
 
 - `EnvWorker`: one agentic `Environment` (`agents/env.py`) run in a child process behind the same
   async `reset` / `step` interface, plus `snapshot()` / `restore(snapshot)` of its state. The child

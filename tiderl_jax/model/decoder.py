@@ -144,7 +144,7 @@ class KVCache:
     """Dense KV cache for cached decoding.
 
     k, v: one array per layer, each [batch, kv_heads, max_len, head_dim] (the layout that decodes
-    fastest here, see JAX_NOTES.md); lengths: [batch] int32, tokens already written per row.
+    fastest here, see docs/architecture.md, Conventions); lengths: [batch] int32, tokens already written per row.
     """
 
     k: tuple[jax.Array, ...]

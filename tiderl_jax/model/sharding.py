@@ -9,7 +9,7 @@ dimension of the same array already uses it.
 
 Meshes are built with Auto axis types: the model is classic GSPMD code (jit with in/out shardings),
 and `jax.make_mesh` defaults to Explicit axes, which would demand explicit output shardings on
-every sharded contraction (JAX_NOTES.md).
+every sharded contraction (docs/architecture.md, Conventions).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Belayer: the fault-tolerance decisions: worker health, environment checkpoints, failure classes, retries.
 
-MECHANISMS.md §5. Pure functions of observed signals; the processes, pipes and snapshots that act
+docs/mechanisms.md (Belayer). Pure functions of observed signals; the processes, pipes and snapshots that act
 on them live in `tiderl_jax/faults/` (`engine_worker.py`, `env_worker.py`).
 
 - **health** (`HealthState`, `observe`): a worker is checked every ~0.2 s (is its process alive, did

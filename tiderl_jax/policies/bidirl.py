@@ -1,6 +1,6 @@
 """BiDiRL: a hot-switch-friendly static partition, and borrowing idle devices across pools at run time.
 
-BiDiRL, MECHANISMS.md §3 (hybrid time-space multiplexing for asynchronous, disaggregated RL). The
+BiDiRL (docs/mechanisms.md): hybrid time-space multiplexing for asynchronous, disaggregated RL. The
 rollout and training pools run concurrently (one-step-off pipeline), so a step takes as long as the
 slower of the two; either pool can idle while the other is the bottleneck.
 
@@ -31,7 +31,7 @@ slower of the two; either pool can idle while the other is the bottleneck.
   trainer model-parallel group); leftover idle devices stay with the lender.
 
 Metric served: RL training throughput (samples or tokens per second; the paper: up to 1.94x over
-veRL, AReaL and ROLL on 32 GPUs), through less idle time on both pools (MECHANISMS.md §9 waiting).
+veRL, AReaL and ROLL on 32 GPUs), through less idle time on both pools (waiting, docs/glossary.md).
 """
 
 from __future__ import annotations

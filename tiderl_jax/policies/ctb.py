@@ -1,4 +1,4 @@
-"""Continuous Task Batching (CTB): task-level KV admission and eviction (TideRL, MECHANISMS.md §1a).
+"""Continuous Task Batching (CTB): task-level KV admission and eviction (TideRL; docs/mechanisms.md).
 
 A stock engine treats each turn of an agentic task as a finished request and frees its KV at every
 tool call; the next turn re-prefills the whole, growing context. CTB instead admits *tasks* into a

@@ -1,6 +1,6 @@
 """Elastic Resource Scaling (ERS): move one device group between rollout and training at a step boundary.
 
-TideRL, MECHANISMS.md §1c. A static split cannot follow a bottleneck that flips between generation
+TideRL, docs/mechanisms.md (ERS). A static split cannot follow a bottleneck that flips between generation
 (the trainer starves) and consumption (the ready backlog grows). `decide` is evaluated once per
 step boundary (after the actor update, before the weight sync) and returns at most one `Move`, so
 at most one group moves per step. Roles: `rollout`, `ref` (the reference model's own devices, for
@@ -28,7 +28,7 @@ Rule (the paper's, with the thresholds and hysteresis ours, all in `ERSConfig`):
   (a phase change is an explicit event, not noisy signals).
 - a move never takes a role below its minimum (`min_rollout_groups`, `min_train_groups`, >= 1).
 
-- a move must pay for itself (ours, after BiDiRL's borrowing rule, MECHANISMS.md §3): when the
+- a move must pay for itself (ours, after BiDiRL's borrowing rule, docs/mechanisms.md): when the
   caller passes `MoveEconomics`, a deficit moves a group only if the predicted step-time gain over
   the steps left exceeds the predicted move cost (reshard + recompile, measured; per move where the
   caller can tell them apart, `move_costs`), see `move_gain`,
@@ -52,7 +52,7 @@ Rule (the paper's, with the thresholds and hysteresis ours, all in `ERSConfig`):
 State stays with the caller: it passes the `ERSHistory` returned by the previous boundary and gets
 the updated one back, so `decide` is a pure function.
 
-Metric served: total waiting time, rollout plus trainer (RWT + TWT, MECHANISMS.md §9).
+Metric served: total waiting time, rollout plus trainer (RWT + TWT, docs/glossary.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Rule (ours, in the spirit of vLLM's recompute preemption, ordered for agentic wo
 1. pinned sequences are never chosen (a task waiting on a tool that the scheduler protects);
 2. among the rest, idle sequences go before active ones: they need no pages right now; paused ones
    (waiting on a tool) before ready ones (resumed, waiting for a decode slot), which run soon;
-3. then the lowest priority (CTB supplies priorities, MECHANISMS.md §1a);
+3. then the lowest priority (CTB supplies priorities: docs/mechanisms.md);
 4. then the latest arrival (the earliest has waited longest and has the most work invested).
 The requester itself is a candidate of last resort only when `allow_self` (a decode that cannot
 grow preempts itself rather than stall everyone).

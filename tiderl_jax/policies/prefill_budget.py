@@ -1,4 +1,4 @@
-"""How many prompt tokens an engine step may prefill: static, or P-PAS (MECHANISMS.md §7).
+"""How many prompt tokens an engine step may prefill: static, or P-PAS (docs/mechanisms.md).
 
 Each engine step batches the running decodes with chunks of pending prefills. The decodes always
 run (they are limited only by the global token budget); this policy caps the prefill share.

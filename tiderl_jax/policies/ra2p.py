@@ -1,6 +1,6 @@
 """Resource-Aware Ref-Actor Pipelining (RA2P): how a train step runs its ref and actor passes.
 
-TideRL, MECHANISMS.md §1b. The trainer needs reference log-probs for every micro-batch before the
+TideRL, docs/mechanisms.md (RA2P). The trainer needs reference log-probs for every micro-batch before the
 actor's forward/backward on it. Two modes (the paper's):
 
 - **decoupled** streaming: ref and actor on different devices; the ref scores micro-batch i+1 while
@@ -36,7 +36,7 @@ arrivals. (A first version summed closed-form terms, `C_dec = max(M t_ref / D_re
 but decoupled only the part not hidden by one actor pass, so fewer ready micro-batches could never
 move the choice towards decoupled's streaming: the replay replaced it.)
 
-Metric served: per-step training time (MECHANISMS.md §9); the runtime logs the choice and both costs
+Metric served: per-step training time (docs/glossary.md); the runtime logs the choice and both costs
 every step.
 """
 

@@ -1,8 +1,8 @@
 """WAR (workload-aware rollout): request placement across replicas, the concurrency window, and when
 to switch speculative decoding on.
 
-WAR, MECHANISMS.md §2 (synchronous agentic RL; the paper reports 1.4x at low load to 1.6x at high
-load rollout throughput). A request is one turn of an agentic task (a session) that is ready to
+WAR (docs/mechanisms.md), for synchronous agentic RL; the paper reports 1.4x at low load to 1.6x at
+high load rollout throughput. A request is one turn of an agentic task (a session) that is ready to
 generate; a replica is one rollout engine.
 
 - **Placement** (`place`, the paper's criteria; the load test and greedy matching ours):

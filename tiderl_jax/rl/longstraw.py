@@ -1,6 +1,6 @@
 """LongStraw: the gradient of G responses to one long prompt, with the prompt run once.
 
-MECHANISMS.md §6 (LongStraw, long-context GRPO). A GRPO group is one prompt of P tokens and G
+docs/mechanisms.md (LongStraw, long-context GRPO). A GRPO group is one prompt of P tokens and G
 responses of up to R tokens. The standard gradient (`standard_grad`) runs G full sequences
 [prompt + response_g]: its activations hold G copies of the prompt's, including G attention maps
 of (P + R)^2 per layer. LongStraw (`longstraw_grad`) runs the prompt once and replays each response

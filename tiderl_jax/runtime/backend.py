@@ -2,7 +2,7 @@
 
 The controller (`controller.py`) decides what runs when; a backend runs it and says how long it
 took. Two implement the same interface, so the simulator runs the controller's own code
-(ARCHITECTURE.md, "The one idea"):
+(docs/architecture.md, "The one idea"):
 
 - `JaxBackend` (here): the engine and the rollout loop on the rollout mesh, the trainer on the train
   mesh, the reference scorer on the ref mesh, weight sync between them; wall-clock time.

@@ -1,4 +1,4 @@
-"""The controller: one loop for the `sync`, `async` and `tiderl` modes (MECHANISMS.md §1, §8).
+"""The controller: one loop for the `sync`, `async` and `tiderl` modes (docs/architecture.md; docs/mechanisms.md).
 
 ```
 producer (asyncio):  capacity = staleness.capacity(...)  -> admit GRPO groups -> RolloutRunner

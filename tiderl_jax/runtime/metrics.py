@@ -1,4 +1,4 @@
-"""Run metrics (MECHANISMS.md §9): goodput, per-step time, waiting per device group, KV hit rate,
+"""Run metrics (docs/glossary.md, docs/outputs.md): goodput, per-step time, waiting per device group, KV hit rate,
 staleness, reward; written as TensorBoard event files and JSONL, a log line per step with rates, and
 at the end a summary table and a timeline PNG of what each device group did.
 

@@ -9,7 +9,7 @@ core), `trainer_costs` (train and ref jobs) and `switches` (moves, BiDiRL borrow
 - `clock`: a virtual-time asyncio event loop (sleeps and timeouts take no wall time);
 - `workloads`: workload presets after the papers, with the sampling distributions.
 
-The simulator never imports JAX model code (ARCHITECTURE.md): only `policies/` and the runtime's
+The simulator never imports JAX model code (docs/architecture.md, Layers): only `policies/` and the runtime's
 controller interfaces.
 
 The event core (`kv` and `replicas`, `COMPILED`) runs compiled when it can: `setup.py` builds each with

@@ -59,7 +59,7 @@ What is modelled (parameters in `config.SimConfig`):
   loop when it returns (its prefill rules and program loads: kv.py); every call pays the rollout
   loop's measured host time (`MeasuredCosts.call_overhead_s`).
 
-Busy time (MECHANISMS.md §9 waiting): with `attach(metrics)`, each replica event adds
+Busy time (waiting, docs/glossary.md): with `attach(metrics)`, each replica event adds
 `seconds * tp` busy device-seconds to the rollout lane (replicas idle while others work count as
 waiting), wall busy seconds add `seconds * tp / rollout devices` (the mean replica's busy time, what
 ERS scales with device count), and the timeline gets one span while any replica is busy. In sync

@@ -6,8 +6,8 @@ turn, tokens each observation adds, and the environment's latency per tool call.
 draws one task's trajectory shape; the simulated rollout replays it turn by turn.
 
 **What is the paper's and what is ours.** Every preset lists each of its parameters in exactly one
-of `from_paper` (stated by the paper's settings as our record holds them: the abstracts in
-`../shared/seeds/` and the settings issue 8 quotes from the papers) or `assumed` (ours: a plausible
+of `from_paper` (stated by the paper's settings as our record holds them, summarised in
+docs/mechanisms.md, "The papers' settings and headline numbers") or `assumed` (ours: a plausible
 value the record does not give, chosen before any simulation and never adjusted to reach a published
 number). `check_workload` enforces the partition. When a paper's full setting becomes available,
 replace the assumption and move the field to `from_paper`.
@@ -213,9 +213,9 @@ def sample_task(w: Workload, rng: np.random.Generator) -> TaskSample:
     return TaskSample(prompt, tuple(gen), tuple(obs), tuple(latency), truncated)
 
 
-_TIDERL_SOURCE = ("TideRL (abstract in ../shared/seeds/): text-only and multi-modal agentic workloads; the "
+_TIDERL_SOURCE = ("TideRL (settings in docs/mechanisms.md): text-only and multi-modal agentic workloads; the "
                   "settings 7B/14B model, up to 20 turns, up to 8k context on 32 GPUs (text) and up to 50 turns "
-                  "(multi-modal) as issue 8 quotes them")
+                  "(multi-modal) as our record of the paper gives them")
 _TEXT_ASSUMED = ("accelerator", "prompts_per_step", "group_size", "prompt_tokens", "turns", "tokens_per_turn",
                  "observation_tokens", "env_latency_s", "drift")
 
@@ -253,8 +253,8 @@ TIDERL_MULTIMODAL = Workload(
 
 BIDIRL_MATH = Workload(
     name="bidirl-math",
-    source="BiDiRL (abstract in ../shared/seeds/): asynchronous disaggregated RL on two 32-GPU testbeds; math "
-           "RL as issue 8 quotes it",
+    source="BiDiRL (settings in docs/mechanisms.md): asynchronous disaggregated RL on two 32-GPU testbeds; math "
+           "RL as our record of the paper gives it",
     model="qwen2.5-7b", accelerator="h100", devices=32, max_turns=1, max_context=8192, prompts_per_step=64,
     group_size=8,
     prompt_tokens=ClippedLognormal(median=160, sigma=0.5, low=32, high=1024, integer=True),
