@@ -452,6 +452,33 @@ def test_with_economics_the_best_allowed_move_wins():
     assert move is None and "best move (rollout -> train)" in history.refused
 
 
+def test_ra2p_repartition_gives_the_ref_group_to_the_actor_when_colocated_on_more_devices_pays():
+    # 4 micro-batches all ready, ref 1 s and actor 2 s each on 1 train group, the ref group as fast (share 1):
+    # now decoupled pipelines to 1 + 4 * 2 = 9 s; colocated on 2 groups at linear scaling: 4 * 3 / 2 = 6 s
+    s = RA2PSignals(num_microbatches=4, ready_at_start=4, tprm_s=0.0, t_ref_s=1.0, t_act_s=2.0, t_swap_s=0.0,
+                    ref_share=1.0, act_share=1.0)
+    assert ra2p.partition_cost(s, 1, 1, 1, 1, 1.0) == min(choose_mode(s).cost_colocated, choose_mode(s).cost_decoupled)
+    p = ra2p.repartition(s, train_groups=1, ref_groups=1, max_ref_groups=1, scaling=1.0)
+    assert (p.from_role, p.to_role, p.cost_now_s, p.cost_after_s, p.gain_s) == ("ref", "train", 9.0, 6.0, 3.0)
+    # devices that do not speed anything up (scaling 0): joining loses the pipelining, 12 s against 9 s
+    p = ra2p.repartition(s, 1, 1, 1, 0.0)
+    assert (p.from_role, p.to_role, p.gain_s) == ("ref", "train", -3.0)
+
+
+def test_ra2p_repartition_carves_a_ref_group_out_when_decoupling_pays():
+    # micro-batches trickling in (one every 2.5 s, none ready): colocated serialises ref and actor, 3 s a burst,
+    # ending at 14.5 s; apart (scaling 0: the same speeds) the ref pass overlaps the arrivals, ending at 13 s
+    s = RA2PSignals(num_microbatches=4, ready_at_start=0, tprm_s=2.5, t_ref_s=2.0, t_act_s=1.0, t_swap_s=0.0,
+                    ref_share=1.0, act_share=1.0)
+    p = ra2p.repartition(s, train_groups=3, ref_groups=0, max_ref_groups=1, scaling=0.0)
+    assert (p.from_role, p.to_role, p.cost_now_s, p.cost_after_s) == ("train", "ref", 14.5, 13.0)
+    # the config's bound: no ref group allowed, none held -> no option at all; one train group cannot give one
+    assert ra2p.repartition(s, 3, 0, 0, 0.0) is None
+    assert ra2p.repartition(s, 1, 0, 1, 0.0) is None
+    with pytest.raises(ValueError, match="scaling"):
+        ra2p.repartition(s, 1, 0, 1, 2.0)
+
+
 def test_a_ref_group_ra2p_leaves_idle_goes_to_train_after_patience():
     # balanced signals (no deficit), but RA2P ran the ref pass colocated: its devices sat out the step
     config = ERSConfig(patience=2)

@@ -353,3 +353,13 @@ def test_a_turn_across_a_weight_update_misses_the_prefix_cache_at_its_next_turn(
     r.version = 1  # a weight update while the turn runs
     assert next_turn(s) == 0 and s.kv_version == 1  # its chain began under version 0: prefilled again
     assert next_turn(s) == 96  # and cached under version 1 from then on
+
+
+def test_ra2p_gives_its_idle_reference_group_to_the_actor_without_ers(tmp_path):
+    # the ablation ladder's +RA2P rung (ERS off): a trainer-bound step on 1 train group beside 1 ref group; RA2P's
+    # replay finds colocated on both groups cheaper than the reference apart, and the move pays over the steps left
+    summary, c, b = _run(tmp_path, "tiderl", ers=False, steps=12, ers_patience=1)
+    assert [(m["by"], m["frm"], m["to"]) for m in c.moves] == [("RA2P", "ref", "train")]
+    assert c.moves[0]["predicted_gain_s"] > c.moves[0]["predicted_cost_s"] > 0
+    assert c.pool.num_groups("ref") == 0 and c.pool.num_groups("train") == 2 and c.ra2p_mode == "colocated"
+    assert summary["steps"] == 12

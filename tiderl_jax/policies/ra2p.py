@@ -119,3 +119,62 @@ def choose_mode(s: RA2PSignals) -> Decision:
     else:
         mode = COLOCATED if col < dec else DECOUPLED
     return Decision(mode=mode, cost_colocated=col, cost_decoupled=dec)
+
+
+# ------------------------------------------------------------------ RA2P's devices: the training side's partition
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """A move of one device group between the actor's (`train`) and the reference's own (`ref`) groups."""
+    from_role: str  # "ref" (join the actor: colocated on more devices) or "train" (carve out a ref group)
+    to_role: str
+    gain_s: float  # predicted seconds saved per step (negative: a loss)
+    cost_now_s: float  # the replayed step on the current partition, best mode
+    cost_after_s: float  # and on the partition after the move
+
+
+def _speed(groups: int, scaling: float) -> float:
+    return 1.0 + scaling * (groups - 1)
+
+
+def partition_cost(s: RA2PSignals, train_groups: int, ref_groups: int, to_train: int, to_ref: int,
+                   scaling: float) -> float:
+    """The replayed step's cost, best mode, with `to_train` actor groups and `to_ref` ref groups, from `s` measured
+    on `train_groups` / `ref_groups` (t_ref_s, t_act_s on the train groups; ref_share: the ref groups' speed
+    relative to them). A role's speed on j groups is 1 + scaling * (j - 1) of one group's (as ERS's)."""
+    on = _speed(train_groups, scaling)
+    act = dataclasses.replace(s, t_ref_s=s.t_ref_s * on / _speed(to_train, scaling),
+                              t_act_s=s.t_act_s * on / _speed(to_train, scaling))
+    cost = colocated_cost(act)
+    if to_ref > 0:
+        ref_share = (s.ref_share * _speed(to_ref, scaling) / _speed(ref_groups, scaling) if ref_groups > 0
+                     else _speed(to_ref, scaling) / on)
+        cost = min(cost, decoupled_cost(dataclasses.replace(
+            s, ref_share=ref_share, act_share=_speed(to_train, scaling) / on)))
+    return cost
+
+
+def repartition(s: RA2PSignals, train_groups: int, ref_groups: int, max_ref_groups: int,
+                scaling: float) -> Partition | None:
+    """RA2P's own devices (ours: the paper gives the two modes, "ref and actor share the devices" or not; which
+    devices the training side gives the reference is ours): the reference may hold up to `max_ref_groups` groups
+    of its own (the config's), else it runs on the actor's. Colocated runs both passes on every training-side
+    group only once the ref groups have joined the actor; decoupled needs them apart. Of the two neighbouring
+    partitions (one ref group more, or one less), the one whose replayed step is cheapest, with its gain over
+    the current partition's best mode; None when neither exists. Whether a move pays its cost, and
+    hysteresis, are the caller's (the controller applies ERS's)."""
+    if train_groups < 1 or ref_groups < 0 or max_ref_groups < 0 or not 0.0 <= scaling <= 1.0:
+        raise ValueError(f"RA2P repartition needs train_groups >= 1, ref_groups and max_ref_groups >= 0, scaling in "
+                         f"[0, 1]; got {train_groups}, {ref_groups}, {max_ref_groups}, {scaling}")
+    now = partition_cost(s, train_groups, ref_groups, train_groups, ref_groups, scaling)
+    options = []
+    if ref_groups > 0:
+        options.append(("ref", "train", train_groups + 1, ref_groups - 1))
+    if ref_groups < max_ref_groups and train_groups > 1:
+        options.append(("train", "ref", train_groups - 1, ref_groups + 1))
+    best = None
+    for frm, to, n, f in options:
+        after = partition_cost(s, train_groups, ref_groups, n, f, scaling)
+        if best is None or after < best.cost_after_s:
+            best = Partition(frm, to, now - after, now, after)
+    return best

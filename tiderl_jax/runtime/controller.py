@@ -167,6 +167,8 @@ class Controller:
         self._scaling_probe: dict | None = None  # the trainer's speed before a move, to measure it
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
         self._measured_move_costs: dict[tuple[str, str], float] = {}  # (from, to) -> the last such move's seconds
+        self._last_move: tuple[int, str | None] = (-1, None)  # (step, to role) of the last ERS or RA2P move
+        self._ra2p_streak: tuple[tuple[str, str] | None, int] = (None, 0)  # RA2P's wanted move, boundaries in a row
         self._stop = False
         # groups in a row whose every sample raised (a broken rollout side) or had a prompt too long for
         # the context: past FAILED_GROUPS_LIMIT the producer stops with the last error instead of
@@ -403,18 +405,25 @@ class Controller:
         devices (their speed ratio is D_ref; a time not yet measured is scaled from the other by
         device count). The actor keeps the train devices in both modes (D_act = 1); both weight
         sets stay resident, so colocated swaps nothing (T_swap = 0)."""
+        if not self.backend.has_ref_devices:
+            return None
+        signals = self._ra2p_signals(ras)
+        return None if signals is None else ra2p.choose_mode(signals)
+
+    def _ra2p_signals(self, ras: int) -> ra2p.RA2PSignals | None:
+        """RA2P's signals from the measured times (`_ra2p_decision`); None before they are measured."""
         t = self._timings
-        if self.cfg.mode != "tiderl" or not self.backend.has_ref_devices or t["t_act"] is None:
+        if self.cfg.mode != "tiderl" or self.pool is None or t["t_act"] is None:
             return None
         if t.get("t_ref_col") is None and t.get("t_ref_dec") is None:
             return None
         n_ref, n_train = len(self.pool.devices_of("ref")), len(self.pool.devices_of("train"))
         t_col = t.get("t_ref_col") or t["t_ref_dec"] * n_ref / n_train
-        t_dec = t.get("t_ref_dec") or t_col * n_train / n_ref
-        return ra2p.choose_mode(ra2p.RA2PSignals(
+        t_dec = t.get("t_ref_dec") or (t_col * n_train / n_ref if n_ref else t_col)
+        return ra2p.RA2PSignals(
             num_microbatches=self.cfg.groups_per_step, ready_at_start=ras, tprm_s=t["tprm"] or 0.0,
             t_ref_s=t_col, t_act_s=t["t_act"], t_swap_s=0.0, ref_share=t_col / max(t_dec, 1e-9),
-            act_share=1.0))
+            act_share=1.0)
 
     async def _train_step(self, batch: list[_Group]):
         trajs = [t for g in batch for t in g.trajectories]
@@ -530,6 +539,26 @@ class Controller:
     def _compile_seconds(self) -> float:
         return self.backend.compile_s()
 
+    def _train_scaling(self) -> float:
+        """The trainer's scaling as the backend knows it (the simulator's cost model), else as measured on the last
+        move (faked CPU devices do speed up: goodput.py's trainer took 7-8 s per update on 4 of them, 11-13 s on 2)."""
+        known = self.backend.train_scaling() if hasattr(self.backend, "train_scaling") else None
+        return self.ers_scaling if known is None else known
+
+    def _move_costs(self) -> tuple[float, dict]:
+        """(a move's predicted seconds by default, {(from, to): seconds} where known): the last move as measured,
+        else the backend's estimate if it has one (the simulator's switch time), else the compile seconds so far;
+        per move where the backend can tell (the parts a move rebuilds), and the moves already made as measured."""
+        if self._move_cost is not None:
+            cost = self._move_cost
+        elif hasattr(self.backend, "move_cost_estimate"):
+            cost = self.backend.move_cost_estimate()
+        else:
+            cost = self._compile_seconds()
+        move_costs = dict(self.backend.move_costs()) if hasattr(self.backend, "move_costs") else {}
+        move_costs.update(self._measured_move_costs)
+        return cost, move_costs
+
     def _ers_economics(self, tokens: int, step_time: float) -> ers.MoveEconomics:
         """What a move would cost and buy, from measurements: the trainer's and the rollout's busy
         seconds in the last step; the move's cost as measured for the last move (its reshard plus
@@ -562,20 +591,10 @@ class Controller:
                          self.ers_scaling, self._move_cost)
         # the trainer's scaling as the backend knows it (the simulator's cost model), else as measured on the last
         # move (faked CPU devices do speed up: goodput.py's trainer took 7-8 s per update on 4 of them, 11-13 s on 2)
-        known = self.backend.train_scaling() if hasattr(self.backend, "train_scaling") else None
-        if self._move_cost is not None:
-            cost = self._move_cost
-        elif hasattr(self.backend, "move_cost_estimate"):  # a backend that can say (the simulator's switch time)
-            cost = self.backend.move_cost_estimate()
-        else:
-            cost = self._compile_seconds()
-        # per move where the backend can tell (the parts a move rebuilds), the moves already made as measured
-        move_costs = dict(self.backend.move_costs()) if hasattr(self.backend, "move_costs") else {}
-        move_costs.update(self._measured_move_costs)
+        cost, move_costs = self._move_costs()
         produced, self._produced_mark = self._produced - self._produced_mark, self._produced
         return ers.MoveEconomics(train_busy_s=train_busy, rollout_busy_s=rollout_busy, move_cost_s=cost,
-                                 horizon_steps=self.cfg.steps - self.step,
-                                 scaling=self.ers_scaling if known is None else known,
+                                 horizon_steps=self.cfg.steps - self.step, scaling=self._train_scaling(),
                                  ref_busy_s=ref_busy, rollout_scaling=rollout_scaling, train_coupling=coupling,
                                  produced_batches=produced / self.cfg.batch_samples, move_costs=move_costs)
 
@@ -598,6 +617,10 @@ class Controller:
             log.info("ERS: no move (%s)", self.ers_history.refused)
         if move is None:
             return
+        await self._apply_move(move, tokens, "ERS")
+
+    async def _apply_move(self, move: ers.Move, tokens: int, by: str) -> None:
+        """One device group changes role (an ERS or RA2P move); the next step measures what it did."""
         t0, compiled = self.clock(), self._compile_seconds()
         groups_before = self.pool.num_groups("train")
         with self.metrics.span("train", "move"):
@@ -610,12 +633,54 @@ class Controller:
         self._scaling_probe = dict(groups=groups_before, seconds=seconds, compiled=compiled,
                                    move=(move.from_role, move.to_role),
                                    per_token=actor_busy / max(tokens, 1))
-        self._timings.update(t_act=None, t_ref_col=None)  # measured again on the new mesh
-        record = dict(step=self.step, frm=move.from_role, to=move.to_role, reason=move.reason,
+        self._timings.update(t_act=None, t_ref_col=None)  # measured again on the new meshes
+        if "ref" in (move.from_role, move.to_role):
+            self._timings["t_ref_dec"] = None
+        record = dict(step=self.step, frm=move.from_role, to=move.to_role, reason=move.reason, by=by,
                       seconds=seconds, predicted_gain_s=move.gain_s, predicted_cost_s=move.cost_s)
         self.moves.append(record)
-        log.info("ERS: moved one device group %s -> %s (%s; predicted gain %s for cost %s) in %.2fs",
+        self._last_move = (self.step, move.to_role)
+        log.info("%s: moved one device group %s -> %s (%s; predicted gain %s for cost %s) in %.2fs", by,
                  move.from_role, move.to_role, move.reason, move.gain_s, move.cost_s, seconds)
+
+    async def _ra2p_boundary(self, ras: int, step_time: float, tokens: int) -> None:
+        """RA2P's devices (`ra2p.repartition`): a reference group joins the actor when colocated on more devices
+        beats the reference apart, and one is carved out of the actor's (up to the config's `ref_groups`) when
+        decoupling pays; the same evidence at `ers_patience` consecutive boundaries, the move paying its cost
+        over the steps left, a gain above ERS's noise floor, no reversal within `ers_cooldown` boundaries."""
+        if self.cfg.mode != "tiderl" or self.pool is None or self._moved_this_boundary():
+            self._ra2p_streak = (None, 0)
+            return
+        signals = self._ra2p_signals(ras)
+        if signals is None:
+            return
+        n, f = self.pool.num_groups("train"), self.pool.num_groups("ref")
+        p = ra2p.repartition(signals, n, f, self.cfg.ref_groups, self._train_scaling())
+        if p is None:
+            self._ra2p_streak = (None, 0)
+            return
+        default, per_move = self._move_costs()
+        cost = per_move.get((p.from_role, p.to_role), default)
+        horizon = self.cfg.steps - self.step
+        floor = ers.ERSConfig().min_gain_fraction * step_time
+        pays = p.gain_s > floor and p.gain_s * horizon > cost
+        key = (p.from_role, p.to_role) if pays else None
+        streak = self._ra2p_streak[1] + 1 if key is not None and key == self._ra2p_streak[0] else int(key is not None)
+        self._ra2p_streak = (key, streak)
+        if key is None or streak < self.cfg.ers_patience:
+            return
+        last_step, last_to = self._last_move
+        if last_to is not None and last_to != p.to_role and self.step - last_step <= self.cfg.ers_cooldown:
+            return  # back toward where a recent move took a group from
+        mode = ra2p.COLOCATED if p.to_role == "train" and f == 1 else (
+            ra2p.DECOUPLED if p.to_role == "ref" else self.ra2p_mode)
+        self._ra2p_streak = (None, 0)
+        await self._apply_move(ers.Move(p.from_role, p.to_role, mode,
+                                        f"RA2P: {p.cost_now_s:.2f}s -> {p.cost_after_s:.2f}s per step",
+                                        p.gain_s * horizon, cost), tokens, "RA2P")
+
+    def _moved_this_boundary(self) -> bool:
+        return self._last_move[0] == self.step
 
     def _ers_log(self) -> dict:
         """ERS's economics at the last boundary, for the step log (tiderl)."""
@@ -693,6 +758,7 @@ class Controller:
                 now = self.clock()
                 step_time, last = now - last, now
                 await self._ers_boundary(waited, step_time, ras, hol, int(out.get("tokens", 0)))
+                await self._ra2p_boundary(ras, step_time, int(out.get("tokens", 0)))
                 await self._publish(self.version + 1)
                 self.version += 1  # only now: the producer admits the next batch on the new weights
                 self._wake.set()
