@@ -28,6 +28,7 @@ import logging as pylogging
 import os
 import sys
 import re
+import shutil
 import textwrap
 import time
 import typing
@@ -187,7 +188,10 @@ def _interpolate(points: dict[int, float], x: int) -> float:
 
 def _simulate(cfg, mode: str, size: int, ccfg: ControllerConfig, logdir: str):
     """One simulated run: (summary, controller). A drifting workload's groups draw the shapes of the step they
-    are admitted at (`workloads.drift_sampler`)."""
+    are admitted at (`workloads.drift_sampler`). The run's directory is written anew: its metrics would otherwise
+    be appended to an earlier run's in the same log directory, and the plots would read both."""
+    if os.path.isdir(logdir):
+        shutil.rmtree(logdir)
     w = workloads.workload(cfg.workload)
     sampler = workloads.drift_sampler(w, groups_per_step=ccfg.groups_per_step, steps=ccfg.steps, seed=cfg.seed,
                                       sample_tasks=sim_backend.sample_tasks)

@@ -36,6 +36,15 @@ def test_every_mode_runs_and_the_outputs_are_written(tmp_path):
                and 0 <= r["admission_held"] <= 1 for r in results["rows"])
 
 
+def test_a_rerun_in_the_same_log_directory_starts_each_run_anew(tmp_path):
+    # its metrics are not appended to the earlier run's (the plots read them)
+    for _ in range(2):
+        out = _simulate(tmp_path, "--config.modes=('tiderl',)")
+        assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "32" / "tiderl" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
 def test_a_bad_mode_is_refused_by_name(tmp_path):
     out = _simulate(tmp_path, "--config.modes=('tiderl+magic',)")
     assert out.returncode == 2 and "tiderl+magic" in out.stderr
