@@ -479,6 +479,39 @@ def test_ra2p_repartition_carves_a_ref_group_out_when_decoupling_pays():
         ra2p.repartition(s, 1, 0, 1, 2.0)
 
 
+def test_ra2p_decide_repartition_applies_patience_noise_floor_cost_and_cooldown():
+    join = ra2p.Partition("ref", "train", gain_s=3.0, cost_now_s=9.0, cost_after_s=6.0)
+    rules = dict(ref_groups=1, mode_now="decoupled", step_time_s=9.0, horizon_steps=10, cost_s=5.0,
+                 min_gain_fraction=0.02, patience=2, cooldown=3)
+    move, h = ra2p.decide_repartition(join, **rules)
+    assert move is None and (h.wanted, h.streak) == (("ref", "train"), 1)  # patience: once is not enough
+    move, h = ra2p.decide_repartition(join, h, **rules)
+    assert (move.from_role, move.to_role, move.mode, move.gain_s, move.cost_s) == ("ref", "train", "colocated",
+                                                                                   30.0, 5.0)
+    assert h == ra2p.RepartitionHistory()
+    # a boundary without a paying move breaks the streak
+    _, h = ra2p.decide_repartition(join, **rules)
+    _, h = ra2p.decide_repartition(None, h, **rules)
+    assert (h.wanted, h.streak) == (None, 0)
+    # within the noise floor (2% of 9 s = 0.18 s), or not paying its cost over the steps left: never wanted
+    small = dataclasses.replace(join, gain_s=0.1)
+    h = ra2p.RepartitionHistory(("ref", "train"), 5)
+    assert ra2p.decide_repartition(small, h, **rules) == (None, ra2p.RepartitionHistory())
+    assert ra2p.decide_repartition(join, h, **{**rules, "cost_s": 31.0}) == (None, ra2p.RepartitionHistory())
+    # back toward where a recent move took a group from: held, the streak kept; after the cooldown it goes
+    move, h = ra2p.decide_repartition(join, h, **rules, last_move_to="rollout", boundaries_since_move=3)
+    assert move is None and "cooldown" in h.refused and h.streak == 6
+    move, _ = ra2p.decide_repartition(join, h, **rules, last_move_to="rollout", boundaries_since_move=4)
+    assert move is not None
+    # a group carved out for the reference runs it decoupled; a join that leaves ref groups keeps the mode
+    carve = ra2p.Partition("train", "ref", gain_s=1.5, cost_now_s=14.5, cost_after_s=13.0)
+    move, _ = ra2p.decide_repartition(carve, ra2p.RepartitionHistory(("train", "ref"), 1), **rules)
+    assert move.mode == "decoupled"
+    move, _ = ra2p.decide_repartition(join, ra2p.RepartitionHistory(("ref", "train"), 1),
+                                      **{**rules, "ref_groups": 2})
+    assert move.mode == "decoupled"
+
+
 def test_a_ref_group_ra2p_leaves_idle_goes_to_train_after_patience():
     # balanced signals (no deficit), but RA2P ran the ref pass colocated: its devices sat out the step
     config = ERSConfig(patience=2)

@@ -178,3 +178,53 @@ def repartition(s: RA2PSignals, train_groups: int, ref_groups: int, max_ref_grou
         if best is None or after < best.cost_after_s:
             best = Partition(frm, to, now - after, now, after)
     return best
+
+
+@dataclasses.dataclass(frozen=True)
+class RepartitionHistory:
+    wanted: tuple[str, str] | None = None  # the (from, to) move that paid at the last boundaries
+    streak: int = 0  # consecutive boundaries it paid
+    refused: str = ""  # why this boundary's wanted move did not happen ("" if none was wanted)
+
+
+@dataclasses.dataclass(frozen=True)
+class RepartitionMove:
+    from_role: str
+    to_role: str
+    mode: str  # the RA2P mode from the next step on
+    reason: str
+    gain_s: float  # predicted seconds saved over the steps left
+    cost_s: float  # predicted seconds of the move
+
+
+def decide_repartition(p: Partition | None, history: RepartitionHistory = RepartitionHistory(), *,
+                       ref_groups: int, mode_now: str, step_time_s: float, horizon_steps: int, cost_s: float,
+                       min_gain_fraction: float, patience: int, cooldown: int,
+                       last_move_to: str | None = None, boundaries_since_move: int | None = None,
+                       ) -> tuple[RepartitionMove | None, RepartitionHistory]:
+    """Whether `repartition`'s move happens at this boundary, and the history for the next one (ERS's rules,
+    applied to RA2P's devices): the per-step gain above the noise floor (`min_gain_fraction` of the step) and,
+    over the `horizon_steps` left, above the move's `cost_s`; the same move paying at `patience` consecutive
+    boundaries; no move back toward where a recent move (ERS's or RA2P's, `boundaries_since_move` <= `cooldown`
+    boundaries ago) took a group from. After the move the reference runs colocated when its last group joined the
+    actor, decoupled when a group was carved out for it, else as it did (`mode_now`)."""
+    pays = p is not None and p.gain_s > min_gain_fraction * step_time_s and p.gain_s * horizon_steps > cost_s
+    wanted = (p.from_role, p.to_role) if pays else None
+    streak = history.streak + 1 if wanted is not None and wanted == history.wanted else int(wanted is not None)
+    history = RepartitionHistory(wanted, streak)
+    if wanted is None or streak < patience:
+        return None, history
+    if (last_move_to is not None and last_move_to != p.to_role and boundaries_since_move is not None
+            and boundaries_since_move <= cooldown):
+        return None, dataclasses.replace(history, refused=f"{p.from_role} -> {p.to_role} reverses a move made "
+                                                          f"{boundaries_since_move} boundaries ago (cooldown {cooldown})")
+    if p.to_role == "train" and ref_groups == 1:
+        mode = COLOCATED
+    elif p.to_role == "ref":
+        mode = DECOUPLED
+    else:
+        mode = mode_now
+    move = RepartitionMove(p.from_role, p.to_role, mode,
+                           f"RA2P: {p.cost_now_s:.2f}s -> {p.cost_after_s:.2f}s per step",
+                           p.gain_s * horizon_steps, cost_s)
+    return move, RepartitionHistory()

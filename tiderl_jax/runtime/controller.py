@@ -168,7 +168,7 @@ class Controller:
         self._move_cost: float | None = None  # measured seconds of the last move (incl. recompiles)
         self._measured_move_costs: dict[tuple[str, str], float] = {}  # (from, to) -> the last such move's seconds
         self._last_move: tuple[int, str | None] = (-1, None)  # (step, to role) of the last ERS or RA2P move
-        self._ra2p_streak: tuple[tuple[str, str] | None, int] = (None, 0)  # RA2P's wanted move, boundaries in a row
+        self.ra2p_history = ra2p.RepartitionHistory()  # RA2P's wanted move of devices, boundaries in a row
         self._stop = False
         # groups in a row whose every sample raised (a broken rollout side) or had a prompt too long for
         # the context: past FAILED_GROUPS_LIMIT the producer stops with the last error instead of
@@ -560,14 +560,10 @@ class Controller:
         return cost, move_costs
 
     def _ers_economics(self, tokens: int, step_time: float) -> ers.MoveEconomics:
-        """What a move would cost and buy, from measurements: the trainer's and the rollout's busy
-        seconds in the last step; the move's cost as measured for the last move (its reshard plus
-        the compiles of the step after it), or before any move, the backend's estimate if it has one
-        (the simulator's switch time), else the compile seconds spent so far (a new mesh needs those
-        programs again); the scaling measured on the last move that changed
-        the trainer (`ers_scaling` before any); the rollout's own scaling when the backend can tell it
-        from its engine's costs at its load (`rollout_scaling`); and the coupling of production to
-        the trainer: the share of the step the staleness bound held admission, over eta + 1."""
+        """What a move would cost and buy, from measurements: the roles' busy seconds in the last step; the moves'
+        costs (`_move_costs`); the trainer's scaling (`_train_scaling`, re-measured on the first step after a move
+        that changed the trainer); the rollout's own scaling when the backend can tell it; and the coupling of
+        production to the trainer: the share of the step the staleness bound held admission, over eta + 1."""
         now = self.clock()
         held = self._held_by_staleness_s + (now - self._held_since if self._held_since is not None else 0.0)
         held, self._held_mark = held - self._held_mark, held
@@ -589,8 +585,6 @@ class Controller:
                 log.info("ERS: trainer time per token x%.2f on %d -> %d groups: scaling %.2f of linear; "
                          "the move cost %.1fs", ratio, probe["groups"], self.pool.num_groups("train"),
                          self.ers_scaling, self._move_cost)
-        # the trainer's scaling as the backend knows it (the simulator's cost model), else as measured on the last
-        # move (faked CPU devices do speed up: goodput.py's trainer took 7-8 s per update on 4 of them, 11-13 s on 2)
         cost, move_costs = self._move_costs()
         produced, self._produced_mark = self._produced - self._produced_mark, self._produced
         return ers.MoveEconomics(train_busy_s=train_busy, rollout_busy_s=rollout_busy, move_cost_s=cost,
@@ -644,40 +638,29 @@ class Controller:
                  move.from_role, move.to_role, move.reason, move.gain_s, move.cost_s, seconds)
 
     async def _ra2p_boundary(self, ras: int, step_time: float, tokens: int) -> None:
-        """RA2P's devices (`ra2p.repartition`): a reference group joins the actor when colocated on more devices
-        beats the reference apart, and one is carved out of the actor's (up to the config's `ref_groups`) when
-        decoupling pays; the same evidence at `ers_patience` consecutive boundaries, the move paying its cost
-        over the steps left, a gain above ERS's noise floor, no reversal within `ers_cooldown` boundaries."""
+        """RA2P's devices (`ra2p.repartition`, `ra2p.decide_repartition`): a reference group joins the actor when
+        colocated on more devices beats the reference apart, and one is carved out of the actor's (up to the config's
+        `ref_groups`) when decoupling pays; with ERS's patience, cooldown, noise floor and move costs."""
         if self.cfg.mode != "tiderl" or self.pool is None or self._moved_this_boundary():
-            self._ra2p_streak = (None, 0)
+            self.ra2p_history = ra2p.RepartitionHistory()
             return
         signals = self._ra2p_signals(ras)
         if signals is None:
             return
-        n, f = self.pool.num_groups("train"), self.pool.num_groups("ref")
-        p = ra2p.repartition(signals, n, f, self.cfg.ref_groups, self._train_scaling())
-        if p is None:
-            self._ra2p_streak = (None, 0)
-            return
+        f = self.pool.num_groups("ref")
+        p = ra2p.repartition(signals, self.pool.num_groups("train"), f, self.cfg.ref_groups, self._train_scaling())
         default, per_move = self._move_costs()
-        cost = per_move.get((p.from_role, p.to_role), default)
-        horizon = self.cfg.steps - self.step
-        floor = ers.ERSConfig().min_gain_fraction * step_time
-        pays = p.gain_s > floor and p.gain_s * horizon > cost
-        key = (p.from_role, p.to_role) if pays else None
-        streak = self._ra2p_streak[1] + 1 if key is not None and key == self._ra2p_streak[0] else int(key is not None)
-        self._ra2p_streak = (key, streak)
-        if key is None or streak < self.cfg.ers_patience:
-            return
         last_step, last_to = self._last_move
-        if last_to is not None and last_to != p.to_role and self.step - last_step <= self.cfg.ers_cooldown:
-            return  # back toward where a recent move took a group from
-        mode = ra2p.COLOCATED if p.to_role == "train" and f == 1 else (
-            ra2p.DECOUPLED if p.to_role == "ref" else self.ra2p_mode)
-        self._ra2p_streak = (None, 0)
-        await self._apply_move(ers.Move(p.from_role, p.to_role, mode,
-                                        f"RA2P: {p.cost_now_s:.2f}s -> {p.cost_after_s:.2f}s per step",
-                                        p.gain_s * horizon, cost), tokens, "RA2P")
+        move, self.ra2p_history = ra2p.decide_repartition(
+            p, self.ra2p_history, ref_groups=f, mode_now=self.ra2p_mode, step_time_s=step_time,
+            horizon_steps=self.cfg.steps - self.step,
+            cost_s=per_move.get((p.from_role, p.to_role), default) if p is not None else default,
+            min_gain_fraction=ers.ERSConfig().min_gain_fraction, patience=self.cfg.ers_patience,
+            cooldown=self.cfg.ers_cooldown, last_move_to=last_to,
+            boundaries_since_move=None if last_to is None else self.step - last_step)
+        if move is not None:
+            await self._apply_move(ers.Move(move.from_role, move.to_role, move.mode, move.reason, move.gain_s,
+                                            move.cost_s), tokens, "RA2P")
 
     def _moved_this_boundary(self) -> bool:
         return self._last_move[0] == self.step
