@@ -99,7 +99,10 @@ from tiderl_jax.runtime.controller import Controller, ControllerConfig  # noqa: 
 MODEL = ModelConfig(arch="qwen3", vocab_size=384, hidden_size=128, intermediate_size=384, num_layers=4,
                     num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, max_position_embeddings=2048,
                     dtype="float32")
-MODES = ("sync", "async", "tiderl", "limit")
+MODES = ("sync", "async", "tiderl", "limit", "async-aa")
+# `async-aa`: async run again under its own name (an A/A control): async-aa / async per round is this workload's
+# run-to-run noise on this machine (what the policy happens to generate, which groups the staleness bound drops,
+# the machine's load), against which "tiderl >= async within the noise" is read
 ROLLOUT_DEVICES, TRAIN_DEVICES = 4, 4  # every layout: 4 rollout devices, 4 for train + ref (sync: all 8 both)
 
 
@@ -128,6 +131,9 @@ def _rates(logdir: str, skip: int) -> dict:
 
 def run_mode(mode: str, warm_params, tok, args, *, steps: int, skip: int, heldout: int, label: str) -> dict:
     """One run of `mode` for `steps` updates, rates over updates `skip+1..steps` (`_rates`)."""
+    if mode == "async-aa":
+        return dict(run_mode("async", warm_params, tok, args, steps=steps, skip=skip, heldout=heldout,
+                             label=f"{label} (A/A)"), mode=mode)
     latency = (LatencyModel() if mode == "limit" else
                LatencyModel(args.latency_median, args.latency_sigma, 5.0))
     ccfg = ControllerConfig(mode="tiderl" if mode == "limit" else mode, steps=steps,
@@ -194,7 +200,7 @@ def medians(rows: list[dict]) -> dict:
                          **{k: statistics.median(x[k] for x in runs.values())
                             for k in ("step_time_s", "rollout_wait_s", "trainer_wait_s", "rollout_idle",
                                       "trainer_idle", "compile_s", "kv_hit_rate", "moves")})
-    for a, b in (("tiderl", "async"), ("tiderl", "sync"), ("tiderl", "limit"), ("async", "sync")):
+    for a, b in (("tiderl", "async"), ("tiderl", "sync"), ("tiderl", "limit"), ("async", "sync"), ("async-aa", "async")):
         if a in by and b in by:
             ratios = [by[a][k]["goodput_tokens_per_s"] / by[b][k]["goodput_tokens_per_s"]
                       for k in by[a] if k in by[b]]
@@ -210,7 +216,7 @@ def print_table(summary: dict, modes: list[str], n: int) -> None:
         print(f"{m:<8}{r['median']:>26.1f}  [{r['low']:>6.1f}, {r['high']:>6.1f}]{'':>6}{r['step_time_s']:>8.2f}"
               f"{r['rollout_idle']:>13.2f}{r['trainer_idle']:>11.2f}{r['bound']:>9}{r['compile_s']:>10.1f}"
               f"{r['kv_hit_rate']:>9.3f}{r['moves']:>6.0f}")
-    for key in ("tiderl/async", "tiderl/sync", "tiderl/limit", "async/sync"):
+    for key in ("tiderl/async", "tiderl/sync", "tiderl/limit", "async/sync", "async-aa/async"):
         if key in summary:
             r = summary[key]
             print(f"{key:<14} {r['median']:.2f}x  [{r['low']:.2f}, {r['high']:.2f}] (per-round ratios)")

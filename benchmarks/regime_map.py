@@ -11,10 +11,12 @@ against 1). At each point goodput.py's fair measurement runs (`goodput.measure`:
 run's window, the modes interleaved over `--rounds` rounds with the order rotated; no warm-up pass per point:
 the persistent compile cache is already warm and each run loads its programs before its window), and the point
 gets the median of the per-round ratios with their range, and the bound goodput.py reads off each run (the rollout
-lane's and the trainer lanes' idle shares: `rollout`, `trainer` or `waiting`).
+lane's and the trainer lanes' idle shares: `rollout`, `trainer` or `waiting`). With `async-aa` among the modes
+(goodput.py's A/A control: async run twice per round), async-aa / async is the point's noise band, and a point
+where tiderl / async's median falls below that band's low end (and below 1) is marked as harm ("below A/A").
 
 Output: a table, `--json` rows (one per point and ratio: point, setting, value, ratio, median, low, high,
-async_bound, tiderl_bound, rounds; and the runs themselves under `runs`), and `--plot` [regime_map.png]: the
+async_bound, tiderl_bound, harm, rounds; and the runs themselves under `runs`), and `--plot` [regime_map.png]: the
 ratios per point with their ranges, each marked with what bounded async there.
 """
 
@@ -98,15 +100,19 @@ def main():
         out = goodput.measure(args.modes, warm, tok, point)
         runs += [dict(r, point=name) for r in out["rows"]]
         s = out["summary"]
-        for ratio in ("tiderl/async", "tiderl/sync"):
+        aa = s.get("async-aa/async")
+        for ratio in ("tiderl/async", "tiderl/sync", "async-aa/async"):
             if ratio in s:
+                # harm: tiderl's median below async's A/A noise band (async-aa / async's low end over the rounds)
+                harm = (s[ratio]["median"] < min(aa["low"], 1.0)) if ratio == "tiderl/async" and aa else None
                 rows.append(dict(point=name, setting=setting, value=value, ratio=ratio, rounds=args.rounds,
                                  async_bound=s.get("async", {}).get("bound"), tiderl_bound=s["tiderl"]["bound"],
-                                 **{k: s[ratio][k] for k in ("median", "low", "high")}))
-    print(f"\n{'point':<16}{'ratio':<14}{'median':>8}{'range':>18}{'async bound':>13}{'tiderl bound':>14}")
+                                 harm=harm, **{k: s[ratio][k] for k in ("median", "low", "high")}))
+    print(f"\n{'point':<16}{'ratio':<16}{'median':>8}{'range':>18}{'async bound':>13}{'tiderl bound':>14}"
+          f"{'below A/A':>11}")
     for r in rows:
-        print(f"{r['point']:<16}{r['ratio']:<14}{r['median']:>8.2f}   [{r['low']:.2f}, {r['high']:.2f}]"
-              f"{r['async_bound'] or '':>13}{r['tiderl_bound']:>14}")
+        print(f"{r['point']:<16}{r['ratio']:<16}{r['median']:>8.2f}   [{r['low']:.2f}, {r['high']:.2f}]"
+              f"{r['async_bound'] or '':>13}{r['tiderl_bound']:>14}{'' if r['harm'] is None else r['harm']!s:>11}")
     print(f"\nwrote {plot(rows, args.plot)}")
     if args.json:
         with open(args.json, "w") as f:

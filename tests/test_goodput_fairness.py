@@ -37,7 +37,25 @@ def test_medians_and_paired_ratios(goodput):
     # ratios within a round (1.2, 1.1, 0.9), not medians of each side (120 / 100)
     assert s["tiderl/async"]["median"] == pytest.approx(1.1)
     assert (s["tiderl/async"]["low"], s["tiderl/async"]["high"]) == (pytest.approx(0.9), pytest.approx(1.2))
-    assert s["tiderl"]["bound"] == "rollout" and "tiderl/sync" not in s
+    assert s["tiderl"]["bound"] == "rollout" and "tiderl/sync" not in s and "async-aa/async" not in s
+    # the A/A control: async run again under its own name gives the noise band of async's goodput, paired per round
+    s = goodput.medians(rows + [row("async-aa", 0, 90), row("async-aa", 1, 60), row("async-aa", 2, 200)])
+    assert s["async-aa/async"]["median"] == pytest.approx(1.0)
+    assert (s["async-aa/async"]["low"], s["async-aa/async"]["high"]) == (pytest.approx(0.9), pytest.approx(1.2))
+
+
+def test_the_aa_control_runs_async_under_its_own_name(goodput, monkeypatch):
+    calls = []
+
+    def run_mode(mode, *a, label, **kw):
+        if mode == "async-aa":
+            return real(mode, *a, label=label, **kw)
+        calls.append((mode, label))
+        return dict(mode=mode, goodput_tokens_per_s=1.0)
+    real = goodput.run_mode
+    monkeypatch.setattr(goodput, "run_mode", run_mode)
+    row = real("async-aa", None, None, None, steps=3, skip=1, heldout=0, label="round 1/1")
+    assert calls == [("async", "round 1/1 (A/A)")] and row["mode"] == "async-aa"
 
 
 def _metrics(tmp_path, rows):
@@ -87,9 +105,11 @@ def test_regime_map_sweeps_one_setting_at_a_time_and_plots(goodput, tmp_path, mo
     def measure(modes, warm, tok, args):
         seen.append((args.latency_median, args.max_turns, args.eta, args.rounds, args.warmup_steps))
         ratio = 1.5 if args.latency_median > 1 else 1.0
+        # the A/A band: async-aa / async within [0.9, 1.05] at every point
         return dict(rows=[dict(mode=m, round=0) for m in modes], summary={
             "async": dict(bound="waiting" if ratio > 1 else "trainer"), "tiderl": dict(bound="rollout"),
-            "tiderl/async": dict(median=ratio, low=ratio - 0.1, high=ratio + 0.1)})
+            "tiderl/async": dict(median=ratio - 0.15 * (args.eta == 2), low=ratio - 0.2, high=ratio + 0.1),
+            "async-aa/async": dict(median=1.0, low=0.9, high=1.05)})
     monkeypatch.setattr(goodput, "measure", measure)
     monkeypatch.setattr(goodput, "warm_start", lambda tok, args: None)
     out = tmp_path / "map.json"
@@ -97,7 +117,9 @@ def test_regime_map_sweeps_one_setting_at_a_time_and_plots(goodput, tmp_path, mo
                                       str(out), "--plot", str(tmp_path / "map.png")])
     regime_map.main()
     assert seen == [(0.3, 8, 1, 2, 0), (1.5, 8, 1, 2, 0), (0.3, 8, 2, 2, 0)]
-    rows = json.load(open(out))["rows"]
-    assert [(r["point"], r["median"], r["async_bound"]) for r in rows] == [
-        ("centre", 1.0, "trainer"), ("latency 1.5 s", 1.5, "waiting"), ("eta 2", 1.0, "trainer")]
+    rows = [r for r in json.load(open(out))["rows"] if r["ratio"] == "tiderl/async"]
+    # harm only where tiderl / async's median is below the A/A band's low end: eta 2's 0.85 < 0.9
+    assert [(r["point"], r["median"], r["async_bound"], r["harm"]) for r in rows] == [
+        ("centre", 1.0, "trainer", False), ("latency 1.5 s", 1.5, "waiting", False),
+        ("eta 2", pytest.approx(0.85), "trainer", True)]
     assert (tmp_path / "map.png").stat().st_size > 0
