@@ -1,11 +1,12 @@
 """Environments, built-in tasks, trajectories and the multi-turn rollout loop (CTB vs request-level)."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from tiderl_jax.agents import tasks as T
-from tiderl_jax.agents.env import LatencyModel, ToolEnvironment, ToolError
+from tiderl_jax.agents.env import LatencyModel, StepResult, ToolEnvironment, ToolError
 from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
 from tiderl_jax.agents.trajectory import load_trajectories, save_trajectories
 from tiderl_jax.engine.engine import Engine, EngineConfig
@@ -145,6 +146,29 @@ def test_environment_failures_end_only_their_task():
     others = [t for t in trajs if t.task_id not in ("calculator/train/0/0", "lookup/train/0/1")]
     assert all(t.end_reason == "max_turns" and t.failure is None for t in others)
     assert runner.metrics["failed"] == 2 and runner.metrics["completed"] == len(TASKS) - 2
+
+
+def test_turns_record_their_tool_calls_and_a_task_may_sample_at_its_own_temperature():
+    class Tools(ToolEnvironment):  # two calls, one of them failing, then the answer
+        async def step(self, action):
+            self.tool_calls += 1
+            if self.tool_calls == 1:
+                return StepResult("error: no such tool", 0.0, False, {"tool_calls": 2, "tool_errors": 1})
+            return StepResult(None, 1.0, True, {"answer": action})
+
+    async def go(runner, **kw):
+        await runner.start(lambda t: Tools({}, lambda t, a: 0.0))
+        try:
+            return await runner.submit(TASKS[0][0], 0, **kw)
+        finally:
+            await runner.stop()
+    config = RolloutConfig(max_turns=3, max_new_tokens=12, temperature=1.0, seed=5)
+    sampled = asyncio.run(go(RolloutRunner(_engine(), TOK, config)))
+    assert [(t.tool_calls, t.tool_errors) for t in sampled.turns] == [(2, 1), (0, 0)]
+    # the same runner config, this task greedy with another seed: as a greedy runner's
+    greedy = asyncio.run(go(RolloutRunner(_engine(), TOK, config), temperature=0.0, seed=9))
+    alone = asyncio.run(go(RolloutRunner(_engine(), TOK, dataclasses.replace(config, temperature=0.0))))
+    assert greedy.tokens == alone.tokens != sampled.tokens
 
 
 def test_trajectories_round_trip_through_disk(tmp_path):

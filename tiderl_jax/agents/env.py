@@ -15,10 +15,11 @@ see `tiderl_jax/model/chat.py`). `ToolEnvironment.step` parses the turn: valid c
 (after the environment's latency, which is real waiting time so that scheduling effects are real);
 malformed calls become an error observation the model can read and the turn is counted as
 malformed; a turn without a tool call is the final answer, which the task scores. Tool exceptions
-become error observations too. Nothing the model writes ends the run with an exception. Tools and
-the score function may be coroutine functions (the `python` task runs its sandbox in a thread). A
-tool may return an `Observation`; the turn's observation then carries the images of all its calls
-(rendered ahead of the text, see `chat.Message`).
+become error observations too; a step's `info` counts its `tool_calls` and `tool_errors` (unknown
+tool, refused arguments, the tool raised), which the rollout loop records per turn. Nothing the model
+writes ends the run with an exception. Tools and the score function may be coroutine functions (the
+`python` task runs its sandbox in a thread). A tool may return an `Observation`; the turn's observation
+then carries the images of all its calls (rendered ahead of the text, see `chat.Message`).
 """
 
 from __future__ import annotations
@@ -145,13 +146,14 @@ class ToolEnvironment:
             if inspect.isawaitable(reward):
                 reward = await reward
             return StepResult(None, float(reward), True, {"answer": parsed.content})
-        outputs, images = [], []
+        outputs, images, errors = [], [], 0
         for call in parsed.tool_calls:
             self.tool_calls += 1
             await asyncio.sleep(self.latency.sample(self.rng))
             tool = self.tools.get(call.name)
             if tool is None:
                 outputs.append(f"error: unknown tool {call.name!r}; tools: {sorted(self.tools)}")
+                errors += 1
                 continue
             try:
                 output = tool(call.arguments)
@@ -163,8 +165,10 @@ class ToolEnvironment:
                 outputs.append(str(output))
             except ToolError as e:
                 outputs.append(f"error: {e}")
+                errors += 1
             except Exception as e:  # a tool bug must not end the run; the model sees the failure
                 outputs.append(f"error: tool {call.name} failed: {type(e).__name__}: {e}")
+                errors += 1
         text = "\n".join(outputs)
         return StepResult(Observation(text, tuple(images)) if images else text, 0.0, False,
-                          {"tool_calls": len(parsed.tool_calls)})
+                          {"tool_calls": len(parsed.tool_calls), "tool_errors": errors})

@@ -102,6 +102,8 @@ class _TaskState:
     group: int
     latency: LatencyModel
     sample: int = 0  # which of the group's samples of this task (its own sampling seed)
+    temperature: float = 1.0  # its sampling temperature and seed (`submit`: the config's by default)
+    seed: int = 0
     handle: int | None = None
     active: bool = False  # generating (or about to)
     context_len: int = 0
@@ -278,8 +280,8 @@ class RolloutRunner:
                 if turn >= cfg.max_turns:
                     traj.end_reason = "max_turns"
                     break
-                seed = zlib.crc32(f"{cfg.seed}/{s.task.task_id}/{s.sample}".encode()) % 2**31
-                sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                seed = zlib.crc32(f"{s.seed}/{s.task.task_id}/{s.sample}".encode()) % 2**31
+                sampling = SamplingParams(temperature=s.temperature, max_new_tokens=cfg.max_new_tokens,
                                           seed=seed, stop_ids=stop)
                 s.active = True
                 t0 = time.perf_counter()
@@ -318,7 +320,8 @@ class RolloutRunner:
                 malformed = bool(result.info.get("malformed"))
                 self.metrics["malformed_turns"] += malformed
                 self.metrics["turns"] += 1
-                traj.turns.append(Turn(start, start + n, gen_s, env_s, malformed))
+                calls, errors = int(result.info.get("tool_calls", 0)), int(result.info.get("tool_errors", 0))
+                traj.turns.append(Turn(start, start + n, gen_s, env_s, malformed, calls, errors))
                 if result.done:
                     traj.reward = float(result.reward)
                     traj.end_reason = "answered"
@@ -480,16 +483,21 @@ class RolloutRunner:
         self._loop_task = asyncio.create_task(self._driver.run())
 
     async def submit(self, task: Task, group: int, *, expected_group_size: int | None = None,
-                     sample: int | None = None) -> Trajectory:
+                     sample: int | None = None, temperature: float | None = None,
+                     seed: int | None = None) -> Trajectory:
         """Runs one task to its end (await it, or wrap it in a task). `expected_group_size` tells CTB's
         group-completion signal how many samples the group will have when they arrive one by one;
-        `sample` fixes the sample index (its seed; default: the next one of this task and group)."""
+        `sample` fixes the sample index (its seed; default: the next one of this task and group);
+        `temperature` and `seed` replace the config's for this task (a held-out evaluation during RL)."""
         self.metrics["tasks"] += 1
         self._group_sizes[group] = max(self._group_sizes.get(group, 0) + 1, expected_group_size or 0)
         if sample is None:
             sample = self._samples.get((task.task_id, group), 0)
         self._samples[(task.task_id, group)] = max(sample + 1, self._samples.get((task.task_id, group), 0))
-        st = _TaskState(task, group, self._latency_of(task), sample=sample)
+        cfg = self.config
+        st = _TaskState(task, group, self._latency_of(task), sample=sample,
+                        temperature=cfg.temperature if temperature is None else temperature,
+                        seed=cfg.seed if seed is None else seed)
         self._states[id(st)] = st
         env = self._make_env(task)
         try:

@@ -3,8 +3,9 @@
 Per token: `tokens`, `loss_mask` (True only for tokens the model generated, never prompt or
 observation tokens), `logprobs` (behaviour log-probs under the sampling distribution),
 `model_logprobs` (untempered) and `versions` (policy version that generated it, -1 elsewhere).
-Per turn: the [start, end) token span the model generated and the seconds spent generating and in
-the environment. Per task: reward, the end reason and, for a failed task, what failed.
+Per turn: the [start, end) token span the model generated, the seconds spent generating and in
+the environment, and its tool calls (how many, how many errored, whether the markup was malformed).
+Per task: reward, the end reason and, for a failed task, what failed.
 
 Images (a vision model's observations): `images` holds each image's `vision.ImageSpan` with its
 absolute offset in `tokens` (the same spans the engine was given), so a training forward rebuilds
@@ -34,7 +35,9 @@ class Turn:
     end: int  # one past its last generated token
     generate_s: float
     env_s: float
-    malformed: bool = False
+    malformed: bool = False  # its tool-call markup did not parse
+    tool_calls: int = 0  # tool calls it made
+    tool_errors: int = 0  # of those, how many errored (unknown tool, refused arguments, the tool raised)
 
 
 @dataclasses.dataclass
