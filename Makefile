@@ -1,6 +1,6 @@
 # Two entry points, each self-sufficient on a fresh machine with Python >= 3.11:
-#   make run   - the main job on the CPU default
-#   make test  - the test suite
+#   make run   - the main job: on the GPU / TPU when JAX finds one (docs/running.md), else the CPU default
+#   make test  - the test suite (always on the CPU: it is written for the 8 faked CPU devices)
 # Both create (or reuse) the local virtual environment .venv and install the package into it.
 
 PYTHON ?= python3
@@ -8,9 +8,10 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 # the simulator's compiled event core (setup.py), rebuilt when its source changes
 CORE := $(VENV)/.sim_core
-# Faked devices for the CPU default and the sharding tests; a persistent compile cache halves warm compiles.
+# Faked devices for the CPU default and the sharding tests (the flag concerns the CPU platform only: on a
+# GPU or TPU it does nothing); a persistent compile cache halves warm compiles. JAX_PLATFORMS is left to
+# the user: unset, JAX takes the accelerator when there is one (tiderl_jax/config.py, apply_platform_settings).
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
-export JAX_PLATFORMS ?= cpu
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES ?= 0
@@ -33,7 +34,7 @@ run: $(CORE)
 	$(VENV)/bin/python launch/train.py --config=configs/tiny_agentic.py $(ARGS)
 
 test: $(CORE)
-	$(VENV)/bin/python -m pytest -q tests $(ARGS)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) .jax_cache

@@ -27,8 +27,8 @@ _CONFIG = config_lib.define_config_flag("configs/tiny.py")
 def main(argv):
     del argv
     cfg = _CONFIG.value
-    config_lib.apply_platform_settings(cfg)
     try:
+        config_lib.apply_platform_settings(cfg)
         mesh, rules, tokenizer, model = config_lib.build(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

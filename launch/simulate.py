@@ -490,7 +490,9 @@ def main(argv):
     logging.set_verbosity(logging.INFO)
     pylogging.getLogger("tiderl_jax").setLevel(pylogging.WARNING)  # per-step lines: thousands of them
     try:
-        sizes = [int(s) for s in (cfg.sizes if not isinstance(cfg.sizes, (int, str)) else str(cfg.sizes).split(","))]
+        sizes = cfg.sizes if isinstance(cfg.sizes, tuple) else config_lib.parse_tuple(str(cfg.sizes))
+        if not sizes or not all(isinstance(n, int) and n >= 1 for n in sizes):
+            raise ConfigError(f"sizes={sizes}: give accelerator counts, e.g. --config.sizes=32,1024")
         for mode in cfg.modes:
             for size in sizes:
                 controller_config(cfg, mode, size, workloads.workload(cfg.workload))

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from conftest import ROOT
+from ml_collections import ConfigDict
 
 from tiderl_jax import config as config_lib
 from tiderl_jax.model.config import ConfigError
@@ -47,11 +48,95 @@ def test_the_default_config_passes_and_every_section_option_is_settable():
     assert warm.learning_rate == c.sft.learning_rate
 
 
-def test_tasks_given_as_one_comma_separated_string_are_kinds():
-    c = _config(tasks=("calculator, lookup",))  # what --config.tasks=calculator,lookup parses to
+def _parsed(*args, path="configs/tiny_agentic.py"):
+    """The config as a launch script reads it from its command line (`define_config_flag`)."""
+    from absl import flags
+    values = flags.FlagValues()
+    argv = ["launch/train.py", f"--config={path}", *args]
+    holder = config_lib.define_config_flag(path, flag_values=values, argv=argv)
+    values(argv)
+    return holder.value
+
+
+def _tuple_keys(node, prefix=""):
+    for key, value in node.items():
+        if isinstance(value, ConfigDict):
+            yield from _tuple_keys(value, f"{prefix}{key}.")
+        elif isinstance(value, tuple):
+            yield f"{prefix}{key}", value
+
+
+def _get(config, key):
+    for part in key.split("."):
+        config = config[part]
+    return config
+
+
+def test_every_tuple_valued_key_takes_a_comma_list(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert _parsed("--config.tasks=calculator,lookup").tasks == ("calculator", "lookup")
+    assert _parsed("--config.tasks=lookup").tasks == ("lookup",)
+    assert _parsed("--config.tasks= calculator , lookup").tasks == ("calculator", "lookup")
+    as_lists = set()
+    for path in sorted((ROOT / "configs").glob("*.py")):
+        file = f"configs/{path.name}"
+        for key, value in _tuple_keys(_parsed(path=file)):
+            if value and all(isinstance(v, (int, float, str)) for v in value):  # given as a comma list
+                text = ",".join(map(str, value))
+                as_lists.add(key)
+            else:  # nested (sharding_rules) or empty: a Python literal
+                text = repr(value)
+            assert _get(_parsed(f"--config.{key}={text}", path=file), key) == value, (file, key, text)
+    assert {"tasks", "sizes", "modes"} <= as_lists  # ints stay ints (sizes), strings strings
+    assert config_lib.parse_tuple("32, 1024") == (32, 1024) and config_lib.parse_tuple("") == ()
+    assert config_lib.parse_tuple("async@0.125,tiderl") == ("async@0.125", "tiderl")
+
+
+def test_tasks_in_a_config_file_as_one_string_are_kinds():
+    c = _config()
+    with c.unlocked():
+        del c["tasks"]
+        c.tasks = "calculator, lookup"  # a config file's own get_config may say it so
     config_lib.check_main_job(c, num_devices=8)
     assert tuple(c.tasks) == ("calculator", "lookup")
-    assert "unknown kind(s) ['lokup']" in _error(tasks=("calculator,lokup",))
+    assert "unknown kind(s) ['lokup']" in _error(tasks=("calculator", "lokup"))
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("sft.learning_rate", 0.0, "sft.learning_rate=0.0 must be > 0"),
+    ("trainer.learning_rate", -1.0, "trainer.learning_rate=-1.0 must be > 0"),
+    ("trainer.micro_rows", 0, "trainer.micro_rows=0 must be >= 1"),
+    ("rollout.temperature", 0.0, "rollout.temperature=0.0 must be > 0"),
+    ("loss.clip_low", 1.5, "loss.clip_low=1.5 must be in [0, 1)"),
+    ("rollout.footprint_horizon", "step", "rollout.footprint_horizon 'step'"),
+])
+def test_errors_name_the_key_the_user_sets(key, value, needle):
+    assert needle in _error(**{key: value})
+
+
+def test_tasks_are_named_as_the_user_sets_them_in_the_typed_configs():
+    c = _config(tasks=("calculator", "nope"))
+    with pytest.raises(ConfigError) as e:
+        config_lib.rl_configs(c)  # without check_main_job's own check first
+    message = str(e.value)
+    assert message.startswith("tasks=('calculator', 'nope') must be non-empty") and "task_kinds" not in message
+
+
+@pytest.mark.parametrize("found, requested, chosen", [
+    (["cpu"], "", "cpu"), (["gpu", "cpu"], "", "gpu"), (["tpu", "cpu"], "", "tpu"),
+    (["gpu", "cpu"], "cpu", "cpu"), (["gpu", "cpu"], "cuda", "gpu"), (["cpu", "gpu"], "rocm,cpu", "gpu"),
+])
+def test_the_platform_is_the_accelerator_when_there_is_one(found, requested, chosen):
+    assert config_lib.choose_platform(found, requested) == chosen
+
+
+def test_a_requested_platform_that_is_missing_is_named_with_its_install_line():
+    with pytest.raises(ConfigError) as e:
+        config_lib.choose_platform(["cpu"], "cuda")
+    assert "JAX_PLATFORMS=cuda" in str(e.value) and 'jax[cuda12]' in str(e.value) and "['cpu']" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        config_lib.choose_platform(["cpu"], "tpu")
+    assert 'jax[tpu]' in str(e.value)
 
 
 @pytest.mark.parametrize("key, value, needle", [
@@ -109,3 +194,11 @@ def test_a_checkpoint_that_does_not_match_the_model_is_refused_by_name(tmp_path)
     ckpt.save(0, {"params": {"w": jnp.zeros((3, 5))}, "opt_state": {"m": jnp.zeros(2)}, "ref": {"w": jnp.zeros(3)}}, {})
     ckpt.close()
     _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.controller.steps=2"), "cannot restore step 0")
+
+
+def test_a_bad_value_for_a_key_is_one_line_naming_it(tmp_path):
+    _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.controller.steps=ten"),
+                    "--config.controller.steps=ten: int expected")
+    _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.tasks=calculator,lokup"),
+                    "tasks: unknown kind(s) ['lokup']")
+

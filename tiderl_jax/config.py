@@ -22,7 +22,8 @@ def base_config() -> ConfigDict:
     c = ConfigDict()
     c.seed = 0
     # CPU only: how many devices to fake on the host platform (0: leave JAX's default). Applied
-    # before JAX starts; ignored on GPU/TPU. XLA_FLAGS=--xla_force_host_platform_device_count wins.
+    # before JAX starts (`apply_platform_settings`); the run uses a GPU / TPU instead when JAX finds
+    # one. XLA_FLAGS=--xla_force_host_platform_device_count wins.
     c.cpu_devices = 0
     # HF checkpoint directory (config.json + safetensors); empty: random initialisation from `model`.
     c.checkpoint = ""
@@ -52,27 +53,70 @@ def sharding_rules(c: ConfigDict):
     return rules_from_config(c.sharding_rules)
 
 
-def check_overrides(argv: list[str], default_path: str, flag: str = "config") -> None:
-    """Refuses `--config.a.b=v` overrides whose key does not exist, naming the key and the choices.
+def parse_tuple(text: str) -> tuple:
+    """A tuple-valued key's command-line value: a comma list (`calculator,lookup` -> ('calculator',
+    'lookup'); `32,1024` -> (32, 1024): each item a number, bool or None when it reads as one, else the
+    text), or a Python tuple / list literal (`"(('batch', ('data', 'fsdp')),)"`, for nested values).
+    One item is a one-item tuple; an empty value the empty tuple. ValueError for a malformed literal."""
+    import ast
 
-    ml_collections also refuses them, but with a bare `AttributeError: 'b'`; this runs first, before
-    flag parsing, so the user sees which key and what the valid keys at that level are.
+    s = text.strip()
+    if s[:1] and s[:1] in "([":
+        try:
+            value = ast.literal_eval(s)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{text!r} is not a Python tuple literal; give a comma list, e.g. a,b") from None
+        return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    return tuple(_scalar(item.strip()) for item in s.split(",") if item.strip())
+
+
+def _scalar(item: str):
+    import ast
+
+    try:
+        value = ast.literal_eval(item)
+    except (ValueError, SyntaxError):
+        return item
+    return value if isinstance(value, (int, float, str, type(None))) else item
+
+
+def _value_parsers() -> dict:
+    """The parser of an override's value per the key's type (ml_collections' own for the scalars)."""
+    from absl import flags
+    from ml_collections.config_flags import tuple_parser
+
+    class CommaTupleParser(tuple_parser.TupleParser):  # a TupleParser: ml_collections' multi-flag handling
+        def parse(self, argument):
+            return parse_tuple(argument) if isinstance(argument, str) else super().parse(argument)
+
+    return {bool: flags.BooleanParser(), int: flags.IntegerParser(), float: flags.FloatParser(),
+            tuple: CommaTupleParser()}
+
+
+def check_overrides(argv: list[str], default_path: str, flag: str = "config") -> None:
+    """Refuses `--config.a.b=v` overrides whose key does not exist, naming the key and the choices, and
+    values the key's type does not take (`--config.controller.steps=ten`), naming the key and the value.
+
+    ml_collections also refuses them, but with a bare `AttributeError: 'b'` or a two-line flags error;
+    this runs first, before flag parsing, so the user sees which key and what the valid keys at that
+    level are.
     """
     import importlib.util
 
     path = default_path
-    keys = []
+    overrides = []
     for arg in argv[1:]:
         if arg.startswith(f"--{flag}="):
             path = arg.split("=", 1)[1]
         elif arg.startswith(f"--{flag}."):
-            keys.append(arg[len(flag) + 3:].split("=", 1)[0])
+            key, eq, value = arg[len(flag) + 3:].partition("=")
+            overrides.append((key, value if eq else None))
     import os
 
     file = path.split(":", 1)[0]
     if not os.path.isfile(file):
         raise ConfigError(f"--{flag}={path}: no such config file")
-    if not keys:
+    if not overrides:
         return
     spec = importlib.util.spec_from_file_location("_config_under_check", file)
     if spec is None or spec.loader is None:
@@ -83,7 +127,8 @@ def check_overrides(argv: list[str], default_path: str, flag: str = "config") ->
         config = module.get_config()
     except Exception as e:  # noqa: BLE001 - the user's config file: name it, no traceback
         raise ConfigError(f"--{flag}={path}: loading it failed: {type(e).__name__}: {e}") from None
-    for key in keys:
+    parsers = _value_parsers()
+    for key, value in overrides:
         node, walked = config, []
         for part in key.split("."):
             if not isinstance(node, ConfigDict) or part not in node:
@@ -92,61 +137,105 @@ def check_overrides(argv: list[str], default_path: str, flag: str = "config") ->
                 raise ConfigError(f"--{flag}.{key}: {where} has no key {part!r}; known keys: {known}")
             node = node[part]
             walked.append(part)
+        parser = parsers.get(type(node))
+        if value is not None and parser is not None:
+            try:
+                parser.parse(value)
+            except ValueError as e:
+                raise ConfigError(f"--{flag}.{key}={value}: {type(node).__name__} expected ({e})") from None
 
 
-def define_config_flag(default_path: str, flag: str = "config"):
-    """`config_flags.DEFINE_config_file` for a launch script, with overrides checked first.
+def define_config_flag(default_path: str, flag: str = "config", *, flag_values=None, argv=None):
+    """`config_flags.DEFINE_config_file` for a launch script, with overrides checked first, and the one
+    place command-line values are read: a tuple-valued key takes a comma list (`parse_tuple`).
 
-    The flag machinery applies `--config.*` overrides while the flag is defined (at import), so the
-    check runs here; a bad key ends the program with exit status 2 and one clear line.
+    The flag machinery applies `--config.*` overrides while the flags are parsed, so the check runs
+    here, on `argv` (default: sys.argv); a bad key or value ends the program with exit status 2 and one
+    clear line.
     """
     import sys
 
+    from absl import flags
     from ml_collections import config_flags
 
+    config_flags.register_flag_parser_for_type(tuple, _value_parsers()[tuple])
     try:
-        check_overrides(sys.argv, default_path, flag)
+        check_overrides(sys.argv if argv is None else argv, default_path, flag)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     return config_flags.DEFINE_config_file(flag, default_path, "Path to an ml_collections config file.",
-                                           lock_config=True)
+                                           flag_values=flags.FLAGS if flag_values is None else flag_values,
+                                           lock_config=True, sys_argv=argv)  # None: sys.argv
 
 
 def rl_configs(c: ConfigDict):
     """The main job's typed configs from a ConfigDict (configs/tiny_agentic.py's sections):
-    (controller, trainer, engine, rollout, warm-start trainer). ConfigError names a bad key or value."""
+    (controller, trainer, engine, rollout, warm-start trainer). ConfigError names a bad key or value as
+    the user sets it (`tasks`, `sft.learning_rate`), not as the typed config calls it."""
     import dataclasses
 
     from tiderl_jax.agents.rollout import RolloutConfig
     from tiderl_jax.engine.engine import EngineConfig
-    from tiderl_jax.rl.losses import from_config_dict
+    from tiderl_jax.rl.losses import LossConfig, from_config_dict
     from tiderl_jax.rl.trainer import TrainerConfig
     from tiderl_jax.runtime.controller import ControllerConfig
 
-    try:
-        # config.seed is the run's seed: the train-task stream and the sampling seeds are offset by it
-        ctl = c.controller.to_dict()
-        controller = ControllerConfig(**{**ctl, "task_kinds": _kinds(c),
-                                         "data_seed": ctl.get("data_seed", 0) + c.get("seed", 0)})
-        values = c.trainer.to_dict()  # a run shorter than the warmup warms up over all but its last step
-        total = max(controller.steps, 2)
-        values["warmup_steps"] = min(values.get("warmup_steps", 0), total - 1)
-        trainer = TrainerConfig(loss=from_config_dict(c.loss), total_steps=total,
-                                temperature=c.rollout.temperature, **values)
-        engine = EngineConfig(**c.engine.to_dict())
+    def typed(section, cls, build, renames=None):
+        try:
+            return build()
+        except ValueError as e:  # a refused value (ConfigError is one)
+            raise ConfigError(_user_keys(str(e), section, cls, renames or {})) from None
+        except TypeError as e:  # an unknown key in a section (a config file's)
+            raise ConfigError(f"{section}: {e}") from None
+
+    # config.seed is the run's seed: the train-task stream and the sampling seeds are offset by it
+    ctl = c.controller.to_dict()
+    controller = typed("controller", ControllerConfig, lambda: ControllerConfig(
+        **{**ctl, "task_kinds": _kinds(c), "data_seed": ctl.get("data_seed", 0) + c.get("seed", 0)}),
+        {"task_kinds": "tasks"})
+    loss = typed("loss", LossConfig, lambda: from_config_dict(c.loss))
+    values = c.trainer.to_dict()  # a run shorter than the warmup warms up over all but its last step
+    total = max(controller.steps, 2)
+    values["warmup_steps"] = min(values.get("warmup_steps", 0), total - 1)
+    derived = {"total_steps": "controller.steps", "temperature": "rollout.temperature",
+               **{f.name: f"loss.{f.name}" for f in dataclasses.fields(LossConfig)}}
+    trainer = typed("trainer", TrainerConfig, lambda: TrainerConfig(
+        loss=loss, total_steps=total, temperature=c.rollout.temperature, **values), derived)
+    engine = typed("engine", EngineConfig, lambda: EngineConfig(**c.engine.to_dict()))
+
+    def rollout_config():
         values = c.rollout.to_dict()
         if isinstance(values.get("weights"), dict):
             from tiderl_jax.policies.ctb import CTBWeights
             values["weights"] = CTBWeights(**values["weights"])
         values["seed"] = values.get("seed", 0) + c.get("seed", 0)
-        rollout = RolloutConfig(**values)
-        warm = dataclasses.replace(trainer, learning_rate=c.sft.learning_rate, row_len=c.sft.row_len,
-                                   warmup_steps=min(trainer.warmup_steps, max(c.sft.steps - 1, 0)),
-                                   total_steps=max(c.sft.steps, 1))
-    except (TypeError, ValueError) as e:  # an unknown key in a section, or a refused value
-        raise ConfigError(f"config: {e}") from None
+        return RolloutConfig(**values)
+    rollout = typed("rollout", RolloutConfig, rollout_config)
+    warm = typed("trainer", TrainerConfig, lambda: dataclasses.replace(
+        trainer, learning_rate=c.sft.learning_rate, row_len=c.sft.row_len,
+        warmup_steps=min(trainer.warmup_steps, max(c.sft.steps - 1, 0)), total_steps=max(c.sft.steps, 1)),
+        {**derived, "learning_rate": "sft.learning_rate", "row_len": "sft.row_len", "total_steps": "sft.steps"})
     return controller, trainer, engine, rollout, warm
+
+
+def _user_keys(message: str, section: str, cls, renames: dict[str, str]) -> str:
+    """A typed config's error with each field it names spelled as the key the user sets: `section.name`, or
+    `renames[name]` for a field the main job derives from another key. A field is a name followed by `=`,
+    prefixed with its section, or one with an underscore; other words (`mode`, `steps`) are left as prose."""
+    import dataclasses
+    import re
+
+    names = {f.name for f in dataclasses.fields(cls)} | set(renames)
+    alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+    pattern = rf"(?<![\w.])({re.escape(section)}\.)?({alternatives})\b(=?)"
+
+    def spell(m):
+        prefixed, name, eq = m.groups()
+        if not (prefixed or eq or "_" in name):
+            return m.group(0)
+        return renames.get(name, f"{section}.{name}") + eq
+    return re.sub(pattern, spell, message)
 
 
 WARM_STARTS = ("checkpoint", "scratch")
@@ -173,10 +262,9 @@ def section(cls, exclude: tuple[str, ...] = (), **values) -> ConfigDict:
 
 
 def _kinds(c: ConfigDict) -> tuple[str, ...]:
-    """`tasks` as a tuple of kinds; `--config.tasks=calculator,lookup` arrives as one string."""
-    raw = c.tasks
-    items = raw.split(",") if isinstance(raw, str) else [k for item in raw for k in str(item).split(",")]
-    return tuple(k.strip() for k in items if k.strip())
+    """`tasks` as a tuple of kinds (a config file may give it as one comma-separated string)."""
+    raw = parse_tuple(c.tasks) if isinstance(c.tasks, str) else c.tasks
+    return tuple(str(k).strip() for k in raw if str(k).strip())
 
 
 def check_main_job(c: ConfigDict, num_devices: int | None = None) -> None:
@@ -200,6 +288,8 @@ def check_main_job(c: ConfigDict, num_devices: int | None = None) -> None:
     if unknown:
         raise ConfigError(f"tasks: unknown kind(s) {unknown}; known: {sorted(task_lib.GENERATORS)}")
     with c.unlocked():
+        if isinstance(c.tasks, str):  # a config file's comma-separated string: the field becomes a tuple
+            del c["tasks"]
         c.tasks = kinds
     sizes = {"sft": ("steps", "batch_size", "row_len", "probe_every", "probe_tasks", "probe_samples"),
              "eval": ("tasks",),
@@ -229,8 +319,9 @@ def check_main_job(c: ConfigDict, num_devices: int | None = None) -> None:
     try:  # a kind with images needs a model that reads them (ConfigError naming what to set)
         task_lib.image_patch_size(kinds, model.image_patch_dim)
     except ConfigError as e:
-        where = f"the checkpoint {c.checkpoint}" if warm == "checkpoint" else "config.model"
-        raise ConfigError(f"tasks {list(kinds)}: {e} ({where} has image_patch_dim={model.image_patch_dim})") from None
+        where = (f"the checkpoint {c.checkpoint} has image_patch_dim" if warm == "checkpoint"
+                 else "model.image_patch_dim")
+        raise ConfigError(f"tasks {list(kinds)}: {e} ({where}={model.image_patch_dim})") from None
     ctx = c.rollout.max_context
     for key, limit in (("engine.max_seq_len", c.engine.max_seq_len), ("trainer.row_len", c.trainer.row_len),
                        ("the model's max_position_embeddings", max_pos)):
@@ -252,20 +343,63 @@ def check_main_job(c: ConfigDict, num_devices: int | None = None) -> None:
         groups = ctl.rollout_groups + ctl.ref_groups + ctl.train_groups
         if ctl.device_group_size < 1 or groups * ctl.device_group_size != num_devices:
             raise ConfigError(
-                f"controller: ({ctl.rollout_groups} rollout + {ctl.ref_groups} ref + {ctl.train_groups} train) "
-                f"groups x device_group_size {ctl.device_group_size} = {groups * ctl.device_group_size} devices, "
-                f"but there are {num_devices}")
+                f"controller.rollout_groups={ctl.rollout_groups} + controller.ref_groups={ctl.ref_groups} + "
+                f"controller.train_groups={ctl.train_groups} groups x controller.device_group_size="
+                f"{ctl.device_group_size} = {groups * ctl.device_group_size} devices, but there are {num_devices}; "
+                "change those keys to fit (docs/running.md), or on one device --config.controller.mode=sync "
+                "--config.mesh.tensor=1")
     rl_configs(c)  # the typed sections' own checks
 
 
-def apply_platform_settings(c: ConfigDict) -> None:
-    """Settings that must reach JAX before its first use (call at the top of `main`)."""
+# JAX's platforms, accelerators first in the order a run prefers them; JAX_PLATFORMS's other names for them
+PLATFORMS = ("tpu", "gpu", "cpu")
+_PLATFORM_NAMES = {"cuda": "gpu", "rocm": "gpu"}
+
+
+def choose_platform(found, requested: str = "") -> str:
+    """The platform a run uses, from the platforms JAX found (`PLATFORMS`' names) and `requested` (the
+    JAX_PLATFORMS variable: empty, or a comma list such as "cuda" or "cpu"): with nothing requested the
+    first accelerator found (TPU, then GPU), else the CPU; with a request, its first platform JAX found.
+    ConfigError, naming the variable and how to install JAX for it, when nothing usable was found."""
+    wanted = [_PLATFORM_NAMES.get(p.strip(), p.strip()) for p in requested.split(",") if p.strip()]
+    for platform in wanted or PLATFORMS:
+        if platform in found:
+            return platform
+    install = {"gpu": ' (NVIDIA: pip install -U "jax[cuda12]")', "tpu": ' (pip install -U "jax[tpu]")'}
+    if wanted:
+        raise ConfigError(f"JAX_PLATFORMS={requested}: JAX found no {' or '.join(wanted)} device"
+                          f"{''.join(install.get(p, '') for p in wanted)}; JAX found {list(found) or 'nothing'}; "
+                          "unset JAX_PLATFORMS to use what there is")
+    raise ConfigError("JAX found no device at all (not even the CPU); is jax installed?")
+
+
+def apply_platform_settings(c: ConfigDict) -> str:
+    """The one place a launch script's platform is settled (call at the top of `main`, before any other
+    use of JAX): the CPU default's faked device count (`cpu_devices`; the CPU only, and only unless
+    XLA_FLAGS sets it), then `choose_platform` over what JAX found and JAX_PLATFORMS. JAX itself puts
+    the accelerator first when one is there, so the run uses it; the Makefile no longer forces the CPU.
+    Returns the platform ("tpu", "gpu" or "cpu"); ConfigError when a requested platform is missing."""
     import os
 
     import jax
 
-    if c.cpu_devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    if c.get("cpu_devices", 0) and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", int(c.cpu_devices))
+    found, errors = [], []
+    for platform in PLATFORMS:
+        try:
+            if jax.devices(platform):
+                found.append(platform)
+        except RuntimeError as e:  # not installed, not present, or it failed to start
+            errors.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    try:
+        platform = choose_platform(found, os.environ.get("JAX_PLATFORMS", ""))
+    except ConfigError as e:
+        raise ConfigError(f"{e} ({errors[0]})" if errors and not found else str(e)) from None
+    if platform != jax.default_backend():  # JAX's own order is the same; say so if a plugin disagrees
+        raise ConfigError(f"JAX's default platform is {jax.default_backend()}, but {platform} was chosen; "
+                          f"set JAX_PLATFORMS={platform}")
+    return platform
 
 
 def build_tokenizer(cfg):
