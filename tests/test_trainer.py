@@ -14,7 +14,7 @@ from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model
 from tiderl_jax.rl.batch import pack
 from tiderl_jax.rl.losses import LossConfig
-from tiderl_jax.rl.trainer import Trainer, TrainerConfig, group_advantages, token_logprobs
+from tiderl_jax.rl.trainer import Trainer, TrainerConfig, group_advantages, lr_schedule, token_logprobs
 
 CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, dtype="float32")
@@ -147,6 +147,17 @@ def test_non_finite_loss_skips_the_update_and_the_run_goes_on(caplog):
         np.testing.assert_array_equal(a, b)
     m = trainer.rl_step(TRAJS)  # the next good batch trains
     assert m["skipped"] == 0.0 and any(not np.array_equal(a, b) for a, b in zip(before, _params(trainer)))
+
+
+def test_each_update_reports_its_learning_rate_and_a_skipped_one_does_not_advance_it():
+    cfg = _config(warmup_steps=2)
+    trainer = Trainer(init_decoder(CFG, seed=10), cfg)
+    bad = [_traj(i, 10, r, 0) for i, r in enumerate([1.0, float("nan"), 0.0])]
+    # warmup from 0: the first update's rate is 0, the second half the peak (1e-2)
+    lrs = [trainer.rl_step(batch)["lr"] for batch in (TRAJS, bad, TRAJS, TRAJS)]
+    assert lrs == pytest.approx([0.0, 5e-3, 5e-3, 1e-2])
+    next_lr = float(lr_schedule(cfg)(3))
+    assert trainer.learning_rate() == pytest.approx(next_lr) and next_lr < 1e-2  # the cosine decay began
 
 
 def test_empty_and_overlong_batches_are_reported_not_raised():

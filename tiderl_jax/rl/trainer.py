@@ -15,7 +15,8 @@ trajectories --pack--> PackedBatch [micro, rows, T] --score(params)--> proximal_
   (parameters and optimizer state on their logical-axis shardings, donated; batch rows over
   `data x fsdp`). Gradients of the micro-batches are summed in float32 (`lax.scan`); each micro-batch's
   loss is normalised by the whole step's token and sequence counts, so the sum is exactly the loss of
-  the whole batch. Metrics: every loss term, KL, clip fraction, entropy, gradient norm, tokens.
+  the whole batch. Metrics: every loss term, KL, clip fraction, entropy, gradient norm, tokens, and the
+  update's learning rate (`lr`).
 - **Bad steps**: a non-finite loss or gradient norm skips the update (parameters and optimizer
   state stay as they were, inside the same program), `skipped=1` in the metrics, and the trainer
   counts it and says so in the log; the run goes on.
@@ -91,11 +92,15 @@ class TrainerConfig:
             raise ConfigError("invalid trainer config: " + "; ".join(problems))
 
 
+def lr_schedule(cfg: TrainerConfig) -> optax.Schedule:
+    """The learning rate by applied update (0, 1, ...): linear warmup from 0, then cosine decay."""
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.total_steps,
+                                              end_value=cfg.learning_rate * cfg.end_lr_ratio)
+
+
 def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW on a linear-warmup + cosine-decay schedule."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, cfg.warmup_steps, cfg.total_steps,
-        end_value=cfg.learning_rate * cfg.end_lr_ratio)
+    """Global-norm clipping, then AdamW on `lr_schedule`."""
+    schedule = lr_schedule(cfg)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
@@ -276,6 +281,7 @@ class Trainer:
                 self.value_params = jax.device_put(self.value_params,
                                                    state_shardings(self.value_params, mesh, rules))
         self.tx = make_optimizer(config)
+        self.schedule = lr_schedule(config)
         self.opt_state = jax.jit(self.tx.init)(self._trainable())
         if mesh is not None:  # scalars (Adam's count) come out on one device: replicate them
             rep = NamedSharding(mesh, PartitionSpec())
@@ -286,6 +292,13 @@ class Trainer:
         self.skipped_steps = 0
         self._programs: dict[tuple, object] = {}
         self.compile_s = 0.0  # wall seconds of calls that compiled a program
+
+    def learning_rate(self) -> float:
+        """The next update's learning rate: the schedule at the optimizer's count of applied updates (a skipped
+        update does not count; a restored optimizer state brings its count)."""
+        count = optax.tree_utils.tree_get(self.opt_state, "count", filtering=lambda path, _: getattr(
+            path[-1], "tuple_name", None) == "ScaleByScheduleState")
+        return float(self.schedule(count))
 
     def _trainable(self):
         """What the optimizer updates: the policy, or (policy, value head) with GAE."""
@@ -398,12 +411,13 @@ class Trainer:
             copies = jax.tree.map(lambda x: x.copy(), (trainable, self.opt_state))
             jax.block_until_ready(self._program(key, build)(*copies, batch))
             return {}
+        lr = self.learning_rate()  # read before the step: it donates the optimizer state
         trainable, self.opt_state, metrics = self._program(key, build)(trainable, self.opt_state, batch)
         if self.value_params is not None:
             self.params, self.value_params = trainable
         else:
             self.params = trainable
-        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics = dict({k: float(v) for k, v in metrics.items()}, lr=lr)
         self.step_count += 1
         if metrics["skipped"]:
             self.skipped_steps += 1
