@@ -253,6 +253,18 @@ def load_hf_checkpoint(
         raise CheckpointError(f"{path}: checkpoint does not match its config.json ({cfg.arch}): "
                               + "; ".join(problems))
 
+    # lazy: each view reads nothing until a device asks for its slice
+    return place_parameters(graphdef, abstract_state, layouts, tensors.__getitem__, mesh=mesh, rules=rules)
+
+
+def place_parameters(graphdef, abstract_state, layouts: dict[tuple, _Layout],
+                     hf_tensor: Callable[[str], np.ndarray], *, mesh: Mesh | None = None,
+                     rules: Rules = DEFAULT_RULES) -> Decoder:
+    """Fills an abstract `Decoder` state (`nnx.split` of `nnx.eval_shape`) from HF-layout tensors, one
+    parameter at a time: `hf_tensor(name)` gives the HF array (a lazy view, or a dequantized one), and
+    each device receives its slice of our layout on its NamedSharding (`rules` over `mesh`; without a
+    mesh, the default device). Shapes must have been checked by the caller."""
+    flat = dict(nnx.to_flat_state(abstract_state))
     if mesh is not None:
         shardings = dict(nnx.to_flat_state(state_shardings(abstract_state, mesh, rules)))
     else:
@@ -263,10 +275,11 @@ def load_hf_checkpoint(
         lay = layouts[key]
         shape = tuple(var.get_value().shape)
         target = np.dtype(var.get_value().dtype)
-        view = lay.to_ours(tensors[lay.hf_name], shape)  # lazy: nothing read yet
+        view = lay.to_ours(hf_tensor(lay.hf_name), shape)
         array = jax.make_array_from_callback(
             shape, shardings[key], lambda idx, view=view: np.asarray(view[idx]).astype(target))
         var.set_value(array)
+        del view
     model = nnx.merge(graphdef, abstract_state)
     if mesh is not None:
         model.activation_sharding = ActivationSharding(mesh, rules)
