@@ -2,12 +2,18 @@
 
 The built-in tokenizer is what the tiny CPU default uses, so nothing is downloaded: ids 0..255 are
 the UTF-8 bytes (byte-level BPE with no merges, so every string round-trips exactly), followed by the
-special tokens of the chat template. Real models load their own `tokenizer.json`.
+special tokens of the chat template. Real models load their own `tokenizer.json` (`from_checkpoint`
+also reads `tokenizer_config.json`: the bos / eos / pad tokens and the chat template; and
+`generation_config.json`: the stop ids), or their GGUF's vocabulary (`gguf_io.read_gguf_tokenizer`).
+
+`stop_ids` are the tokens that end a model's turn (the eos token, and e.g. Llama 3's `<|eot_id|>` /
+`<|eom_id|>`); `chat_template` is the checkpoint's jinja template source (`chat_template.py`), if any.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Sequence
 
@@ -52,11 +58,17 @@ class Tokenizer:
     """A thin, typed wrapper over `tokenizers.Tokenizer` with the ids the system needs."""
 
     def __init__(self, tok: tokenizers.Tokenizer, *, eos_token: str, pad_token: str | None = None,
-                 source: str = "tokenizer"):
+                 source: str = "tokenizer", bos_token: str | None = None, stop_tokens: Sequence[str] = (),
+                 chat_template: str | None = None, add_bos: bool = False):
         self._tok = tok
         self.source = source
+        self.eos_token, self.bos_token, self.pad_token = eos_token, bos_token, pad_token or eos_token
         self.eos_id = self._require(eos_token)
         self.pad_id = self._require(pad_token) if pad_token else self.eos_id
+        self.bos_id = self._require(bos_token) if bos_token else None
+        self.stop_ids = tuple(dict.fromkeys([self.eos_id] + [self._require(t) for t in stop_tokens]))
+        self.chat_template = chat_template
+        self.add_bos = add_bos  # plain-text prompts start with bos_id (HF's add_bos_token)
 
     def _require(self, token: str) -> int:
         i = self._tok.token_to_id(token)
@@ -80,6 +92,38 @@ class Tokenizer:
         except Exception as e:  # the library raises a bare Exception on malformed JSON
             raise ConfigError(f"tokenizer file {path} could not be parsed: {e}") from None
         return cls(tok, eos_token=eos_token, pad_token=pad_token, source=path)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike) -> "Tokenizer":
+        """An HF checkpoint directory's tokenizer: `tokenizer.json`, and from `tokenizer_config.json`
+        (when present) the eos / bos / pad tokens and the chat template, from `generation_config.json`
+        the stop ids. Without tokenizer_config.json the eos token is ChatML's `<|im_end|>` (this
+        project's own exports of the built-in tokenizer)."""
+        path = os.fspath(path)
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        if config is None:
+            return cls.from_file(path)
+        base = cls.from_file(path, eos_token=_token_text(config.get("eos_token")) or "<|im_end|>")
+        tok = base._tok
+        generation = _read_json(os.path.join(path, "generation_config.json")) or {}
+        stop = generation.get("eos_token_id", [])
+        stop = [stop] if isinstance(stop, int) else list(stop or [])
+        stop_tokens = []
+        for i in stop:
+            token = tok.id_to_token(int(i))
+            if token is None:
+                raise ConfigError(f"{path}/generation_config.json: eos_token_id {i} is not in the vocabulary")
+            stop_tokens.append(token)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if template is None:
+            template = _read_text(os.path.join(path, "chat_template.jinja"))
+        bos = _token_text(config.get("bos_token"))
+        return cls(tok, eos_token=base.eos_token, pad_token=_token_text(config.get("pad_token")),
+                   bos_token=bos, stop_tokens=stop_tokens, chat_template=template,
+                   add_bos=bool(config.get("add_bos_token", False)) and bos is not None, source=base.source)
 
     @classmethod
     def builtin(cls) -> "Tokenizer":
@@ -109,3 +153,39 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         self._tok.save(os.fspath(path))
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """tokenizer.json and tokenizer_config.json (special tokens, chat template) in directory `path`,
+        as transformers' `AutoTokenizer` and `from_checkpoint` read them."""
+        os.makedirs(path, exist_ok=True)
+        self.save(os.path.join(path, "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token,
+                  "pad_token": self.pad_token, "bos_token": self.bos_token, "add_bos_token": self.add_bos,
+                  "add_eos_token": False, "clean_up_tokenization_spaces": False}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+
+
+def _token_text(token) -> str | None:
+    """A tokenizer_config.json special token: a string, or an AddedToken object ({"content": ...})."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _read_json(path: str):
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def _read_text(path: str) -> str | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
