@@ -1,12 +1,17 @@
-"""Generate from any HF checkpoint through the rollout engine.
+"""Generate from any HF checkpoint or GGUF file through the rollout engine.
 
     python launch/generate.py --checkpoint=DIR --prompt="Hello" --prompt="2+2=" --max_new_tokens=32
+    python launch/generate.py --checkpoint=MODEL.gguf --chat --prompt="What is 2+3?" --temperature=0
     python launch/generate.py --checkpoint=DIR --prompt_ids_json=ids.json --temperature=0 \\
         --json_out=out.json
 
-Prompts are text (tokenized with the checkpoint's tokenizer.json, or --tokenizer; the built-in byte
-tokenizer when neither exists) or token ids (`--prompt_ids_json`: a JSON list of token-id lists).
-`--chat` wraps text prompts in the chat template. With `--json_out`, writes a JSON list with one
+`--checkpoint` is an HF directory (config.json + safetensors) or a `.gguf` file (Llama family,
+`model/gguf_io.py`: its tokenizer, chat template and stop tokens come from the file). Prompts are text
+(tokenized with the checkpoint's tokenizer: an HF directory's tokenizer.json with its
+tokenizer_config.json, or --tokenizer; the built-in byte tokenizer when neither exists) or token ids
+(`--prompt_ids_json`: a JSON list of token-id lists). `--chat` wraps text prompts as a user turn of the
+checkpoint's own chat template (`model/chat_template.py`), or of the built-in ChatML when it ships none.
+Generation stops at the checkpoint's stop tokens (eos, and e.g. `<|eot_id|>`). With `--json_out`, writes a JSON list with one
 object per prompt: token_ids (the generated ids), text, logprobs (under the sampling distribution),
 model_logprobs (untempered), finish_reason. A bad prompt is reported in its object's "error" and
 the others are still generated.
@@ -22,22 +27,25 @@ from absl import app, flags, logging
 from tiderl_jax.engine.engine import Engine, EngineConfig, Request
 from tiderl_jax.engine.sampling import RequestError, SamplingParams
 from tiderl_jax.model import chat
+from tiderl_jax.model.chat_template import ChatTemplate
 from tiderl_jax.model.config import ConfigError
+from tiderl_jax.model.gguf_io import load_gguf
 from tiderl_jax.model.hf_io import load_hf_checkpoint
 from tiderl_jax.model.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (config.json + safetensors).")
+flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (config.json + safetensors) or a .gguf file.")
 flags.DEFINE_multi_string("prompt", [], "A text prompt (repeatable).")
 flags.DEFINE_string("prompt_ids_json", None, "JSON file: a list of token-id lists.")
-flags.DEFINE_string("tokenizer", None, "tokenizer.json (default: the checkpoint's, else built-in bytes).")
+flags.DEFINE_string("tokenizer", None, "tokenizer.json or a directory holding it (default: the checkpoint's, "
+                    "else built-in bytes).")
 flags.DEFINE_bool("chat", False, "Wrap text prompts as a user turn of the chat template.")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per prompt.")
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 means greedy.")
 flags.DEFINE_integer("top_k", 0, "Top-k (0: off).")
 flags.DEFINE_float("top_p", 1.0, "Top-p (1: off).")
 flags.DEFINE_integer("seed", 0, "Seed of prompt i is seed + i.")
-flags.DEFINE_bool("stop_at_eos", True, "Stop at the tokenizer's end-of-turn token.")
+flags.DEFINE_bool("stop_at_eos", True, "Stop at the checkpoint's stop tokens (eos, end of turn).")
 flags.DEFINE_string("dtype", "float32", "Compute dtype: float32 or bfloat16.")
 flags.DEFINE_integer("max_seq_len", 4096, "Longest context the engine holds.")
 flags.DEFINE_integer("num_pages", 4096, "KV pages in the pool.")
@@ -49,11 +57,25 @@ def _fail(message: str):
     sys.exit(2)
 
 
-def _tokenizer():
-    path = FLAGS.tokenizer
+def _tokenizer(path):
+    """--tokenizer (a directory, or a tokenizer.json with its tokenizer_config.json beside it when there is
+    one), else the checkpoint directory's, else the built-in byte tokenizer."""
+    if path and not os.path.isdir(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.basename(path) == "tokenizer.json" and os.path.exists(os.path.join(folder, "tokenizer_config.json")):
+            return Tokenizer.from_checkpoint(folder)
+        return Tokenizer.from_file(path)
     if path is None and os.path.exists(os.path.join(FLAGS.checkpoint, "tokenizer.json")):
-        path = os.path.join(FLAGS.checkpoint, "tokenizer.json")
-    return Tokenizer.from_file(path) if path else Tokenizer.builtin()
+        path = FLAGS.checkpoint
+    return Tokenizer.from_checkpoint(path) if path else Tokenizer.builtin()
+
+
+def _load():
+    """(model, tokenizer) of --checkpoint: a .gguf file brings its own tokenizer (unless --tokenizer)."""
+    if FLAGS.checkpoint.endswith(".gguf") or os.path.isfile(FLAGS.checkpoint):
+        model, tokenizer = load_gguf(FLAGS.checkpoint, dtype=FLAGS.dtype)
+        return model, (_tokenizer(FLAGS.tokenizer) if FLAGS.tokenizer else tokenizer)
+    return load_hf_checkpoint(FLAGS.checkpoint, dtype=FLAGS.dtype), _tokenizer(FLAGS.tokenizer)
 
 
 def _prompts(tokenizer):
@@ -67,12 +89,16 @@ def _prompts(tokenizer):
         if not isinstance(ids, list) or not all(isinstance(p, list) for p in ids):
             _fail(f"--prompt_ids_json={FLAGS.prompt_ids_json}: must be a JSON list of token-id lists")
         prompts += ids
+    template = ChatTemplate.for_tokenizer(tokenizer) if FLAGS.chat else None
     for text in FLAGS.prompt:
-        if FLAGS.chat:
-            prompts.append(chat.encode(tokenizer, [chat.Message("user", text)],
-                                       add_generation_prompt=True).ids)
+        message = [chat.Message("user", text)]
+        if template is not None:
+            prompts.append(template.encode(message, add_generation_prompt=True).ids)
+        elif FLAGS.chat:
+            prompts.append(chat.encode(tokenizer, message, add_generation_prompt=True).ids)
         else:
-            prompts.append(tokenizer.encode(text))
+            bos = [tokenizer.bos_id] if tokenizer.add_bos else []
+            prompts.append(bos + tokenizer.encode(text))
     if not prompts:
         _fail("no prompts: give --prompt and/or --prompt_ids_json")
     return prompts
@@ -83,15 +109,14 @@ def main(argv):
     if not FLAGS.checkpoint:
         _fail("--checkpoint is required")
     try:
-        model = load_hf_checkpoint(FLAGS.checkpoint, dtype=FLAGS.dtype)
-        tokenizer = _tokenizer()
+        model, tokenizer = _load()
+        prompts = _prompts(tokenizer)
     except ConfigError as e:
         _fail(str(e))
-    prompts = _prompts(tokenizer)
     page = 16
     engine = Engine(model, EngineConfig(num_pages=FLAGS.num_pages, max_seq_len=-(-FLAGS.max_seq_len // page) * page,
                                         page_size=page))
-    stop = (tokenizer.eos_id,) if FLAGS.stop_at_eos and tokenizer.eos_id < model.cfg.vocab_size else ()
+    stop = tuple(i for i in tokenizer.stop_ids if i < model.cfg.vocab_size) if FLAGS.stop_at_eos else ()
     results = [None] * len(prompts)
     handles = {}
     for i, p in enumerate(prompts):
