@@ -283,6 +283,30 @@ def test_a_gain_within_the_noise_of_a_step_does_not_move():
         ers.ERSConfig(min_gain_fraction=-0.1)
 
 
+def test_predicted_gains_are_averaged_since_the_last_move():
+    # the backlog case saves 2 s a step (rollout -> train); a step whose batch loaded the trainer less predicts a
+    # loss. Averaged at weight 0.5 since the last move, the evidence of both steps decides, not the last alone
+    backlog, light = _ers(**BACKLOG), _econ(train_busy_s=5.5, rollout_busy_s=3.0)
+    raw_light = ers.move_gain(backlog, light, "train")
+    assert raw_light == pytest.approx(-0.5)  # now max(5.5, 3) = 5.5, after max(3.67, 6) = 6
+    patient = ERSConfig(patience=2)
+    move, history = decide(backlog, ERSHistory(), patient, _econ())
+    assert move is None and dict(history.gains)[("rollout", "train")] == pytest.approx(2.0)
+    move, history = decide(backlog, history, patient, light)
+    # the average of the two steps, 0.75 s a step over 10 steps, pays the 5 s move; the move starts it afresh
+    assert move is not None and move.gain_s == pytest.approx(10 * (0.5 * 2.0 + 0.5 * raw_light))
+    assert history.gains == ()
+    # the last step alone (weight 1) predicts a loss: no move
+    one_step = dataclasses.replace(patient, gain_weight=1.0)
+    _, h = decide(backlog, ERSHistory(), one_step, _econ())
+    move, h = decide(backlog, h, one_step, light)
+    assert move is None and dict(h.gains)[("rollout", "train")] == pytest.approx(raw_light)
+    _, fresh = decide(_ers(), ERSHistory(last_move_to="train"), patient, _econ())
+    assert dict(fresh.gains)[("rollout", "train")] == ers.move_gain(_ers(), _econ(), "train", "rollout")
+    with pytest.raises(ValueError, match="gain_weight"):
+        ERSConfig(gain_weight=0.0)
+
+
 def test_no_scaling_means_no_gain():
     # fake devices that share the same cores: a group more computes nothing faster
     assert ers.move_gain(_ers(**BACKLOG), _econ(scaling=0.0), "train") == 0.0

@@ -34,7 +34,9 @@ Rule (the paper's, with the thresholds and hysteresis ours, all in `ERSConfig`):
   caller can tell them apart, `move_costs`), see `move_gain`,
   and the gain per step is at least `min_gain_fraction` of the step (a smaller one is within the
   noise of one step's measurements: on a drifting workload such predictions flipped sign step after
-  step and ERS moved groups back and forth, paying each move).
+  step and ERS moved groups back and forth, paying each move). Each move's predicted gain is averaged
+  over the boundaries since the last move (`gain_weight` on the newest), so that one step's batch
+  variance does not decide alone; a move starts the average afresh (the split it measured is gone).
   The gain assumes a role's speed grows by `scaling` of linear per added group (1.0 until a move
   has been measured, then `measured_scaling`): a backend that knows it (the simulator's
   cost model) gives it instead. (On this CPU's faked devices it is not 0: they share two cores, yet
@@ -78,6 +80,10 @@ class ERSConfig:
     # predictions within the noise of one step's measurements (a drifting batch, environment latency) flip sign
     # from step to step, and each flip would pay a move for nothing
     min_gain_fraction: float = 0.02
+    # with economics, the weight of this boundary's predicted gains in their moving average since the last move
+    # (ours; 1: the last step alone). One step's busy times carry its batch's own variance, so a prediction from
+    # one step chases it: on the simulator's drifting workload ERS moved back and forth around the best split
+    gain_weight: float = 0.5
 
     def __post_init__(self):
         for name in ("patience", "min_rollout_groups", "min_train_groups"):
@@ -86,6 +92,8 @@ class ERSConfig:
         for name in ("cooldown", "idle_fraction", "hol_fraction", "min_gain_fraction"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ERSConfig.{name}={getattr(self, name)} must be >= 0")
+        if not 0.0 < self.gain_weight <= 1.0:
+            raise ValueError(f"ERSConfig.gain_weight={self.gain_weight} must be in (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +172,8 @@ class ERSHistory:
     last_move_to: str | None = None  # role the last move went to (None: no move yet)
     boundaries_since_move: int = 0
     refused: str = ""  # why this boundary's wanted move did not happen ("" if none was wanted)
+    # with economics: each move's predicted gain per step, averaged since the last move (`gain_weight`)
+    gains: tuple[tuple[tuple[str, str], float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +184,10 @@ class Move:
     reason: str  # "generation deficit", "consumption deficit", "idle ref group", "cold_start" or "eval"
     gain_s: float | None = None  # predicted step-time gain over the horizon (with economics)
     cost_s: float | None = None  # predicted cost of the move (with economics)
+
+
+# every move of one group ERS weighs with economics, (from_role, to_role)
+MOVES = ((REF, ROLLOUT), (TRAIN, ROLLOUT), (REF, TRAIN), (ROLLOUT, TRAIN))
 
 
 def _speed(groups: int, scaling: float) -> float:
@@ -279,12 +293,18 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig 
                              f"{minimum[role]} (ERSConfig.min_{role}_groups)")
     generation = generation_deficit(s, config)
     consumption = not generation and consumption_deficit(s, config)
+    averaged = {}
+    if economics is not None:
+        before, w = dict(history.gains), config.gain_weight
+        for mv in MOVES:
+            g = move_gain(s, economics, mv[1], mv[0])
+            averaged[mv] = g if mv not in before or g == -float("inf") else w * g + (1 - w) * before[mv]
     history = ERSHistory(
         generation_streak=history.generation_streak + 1 if generation else 0,
         consumption_streak=history.consumption_streak + 1 if consumption else 0,
         idle_ref_streak=history.idle_ref_streak + 1 if s.ref_idle and s.ref_groups > 0 else 0,
         last_move_to=history.last_move_to,
-        boundaries_since_move=history.boundaries_since_move + 1)
+        boundaries_since_move=history.boundaries_since_move + 1, gains=tuple(averaged.items()))
 
     if s.phase != "train":
         to_role, reason = ROLLOUT, s.phase
@@ -309,12 +329,11 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig 
         from_role = REF  # colocated from now on: the ref devices are the ones that would idle
     gain = cost = None
     if economics is not None and s.phase == "train":
-        moves = ((REF, ROLLOUT), (REF, TRAIN)) if reason == "idle ref group" else \
-            ((REF, ROLLOUT), (TRAIN, ROLLOUT), (REF, TRAIN), (ROLLOUT, TRAIN))
+        moves = ((REF, ROLLOUT), (REF, TRAIN)) if reason == "idle ref group" else MOVES
         candidates = [(frm, to) for frm, to in moves if groups[frm] > minimum[frm]]
         if not candidates:
             return None, dataclasses.replace(history, refused=f"{reason}: every role at its minimum")
-        gains = {mv: move_gain(s, economics, mv[1], mv[0]) for mv in candidates}
+        gains = {mv: averaged[mv] for mv in candidates}
         # the best by what it saves over the steps left net of its own cost (first listed on ties)
         (from_role, to_role), best = max(gains.items(), key=lambda kv: (
             kv[1] * economics.horizon_steps - economics.cost(*kv[0]) if kv[1] > -float("inf") else -float("inf")))

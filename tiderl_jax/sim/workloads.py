@@ -312,8 +312,15 @@ WEBSHOP_DRIFT_7B = dataclasses.replace(
                 step_sigma=0.3),
     notes="WebShop-like shapes with drifting response lengths and turns plus per-step variance (all ours).")
 
+# The same drift with 8x the prompts per step (ours): 256 prompts of 8 samples, so that the samples in flight fill
+# the replicas' decode batches and the rollout's throughput, not only its latency, binds for part of the run (at 32
+# prompts the decode batches held 2-6 sequences and the staleness bound held admission throughout).
+WEBSHOP_DRIFT_WIDE_7B = dataclasses.replace(
+    WEBSHOP_DRIFT_7B, name="webshop-drift-wide-7b", prompts_per_step=256,
+    notes="webshop-drift-7b with 256 prompts per step, so rollout throughput binds (all ours).")
+
 PRESETS = {w.name: w for w in (TIDERL_TEXT_7B, TIDERL_TEXT_14B, TIDERL_MULTIMODAL, BIDIRL_MATH, WEBSHOP_7B,
-                               ALFWORLD_7B, WEBSHOP_DRIFT_7B)}
+                               ALFWORLD_7B, WEBSHOP_DRIFT_7B, WEBSHOP_DRIFT_WIDE_7B)}
 
 
 def drift_sampler(w: Workload, *, groups_per_step: int, steps: int, seed: int, sample_tasks):
