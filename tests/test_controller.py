@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from tiderl_jax.agents import tasks as task_lib
 from tiderl_jax.agents.env import LatencyModel, StepResult
 from tiderl_jax.agents.rollout import RolloutConfig
 from tiderl_jax.engine.engine import EngineConfig
@@ -15,8 +16,10 @@ from tiderl_jax.model.config import ConfigError, ModelConfig
 from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.rl.losses import LossConfig
-from tiderl_jax.rl.trainer import TrainerConfig
+from tiderl_jax.rl.trainer import TrainerConfig, lr_schedule
+from tiderl_jax.runtime import health
 from tiderl_jax.runtime.controller import Controller, ControllerConfig
+from tiderl_jax.runtime.metrics import tensorboard_tag
 
 TOK = Tokenizer.builtin()
 CFG = ModelConfig(arch="qwen3", vocab_size=384, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -69,6 +72,29 @@ def test_each_mode_trains_and_syncs(tmp_path, mode):
         assert summary["staleness"].keys() == {0}
     if mode == "tiderl":  # every move ERS made paid for itself by its prediction
         assert all(m["predicted_gain_s"] > m["predicted_cost_s"] for m in c.moves)
+
+
+def test_each_update_logs_its_health_and_the_evaluation_of_its_hook(tmp_path):
+    c = _controller(tmp_path, "tiderl", steps=2)
+    heldout = [task_lib.make_task("calculator", i, "heldout") for i in range(3)]
+
+    async def evaluate(step):  # greedy, through the running rollout loop, on the weights just published
+        trajectories = await c.backend.run_tasks(heldout, temperature=0.0, seed=7)
+        assert all(t.group < 0 for t in trajectories)
+        return health.eval_stats(trajectories)
+    asyncio.run(c.run(on_step=evaluate))
+    rows = [json.loads(x) for x in open(tmp_path / "tiderl" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and [r["eval_tasks"] for r in rows] == [3, 3]
+    schedule = lr_schedule(c.trainer.config)
+    assert [r["lr"] for r in rows] == pytest.approx([float(schedule(0)), float(schedule(1))])
+    for r in rows:
+        assert 0.0 <= r["eval_success"] <= 1.0 and r["eval_turns_mean"] == 1.0  # ParityEnv: one turn
+        assert r["turns_mean"] == 1.0 and r["tool_calls_mean"] == 0.0 and np.isnan(r["tool_error_rate"])
+        assert 0.0 <= r["zero_variance_groups"] <= 1.0 and 0.0 <= r["reward_std"] <= 0.5
+        assert 0 < r["response_tokens_mean"] <= r["response_tokens_max"] <= 16  # max_new_tokens per turn
+        assert r["kl"] >= 0.0 and 0.0 <= r["clip_fraction"] <= 1.0 and np.isfinite(r["grad_norm"])
+        assert all(tensorboard_tag(k).split("/")[0] != "other" for k in r if k != "step")
+    assert [name for name, _, _ in c.metrics.phases] == ["eval", "eval"]
 
 
 def test_ers_moves_devices_and_results_stay_right(tmp_path):

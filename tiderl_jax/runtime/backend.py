@@ -95,6 +95,13 @@ class JaxBackend:
     async def generate(self, task, group, sample, expected_group_size) -> Trajectory:
         return await self.runner.submit(task, group, expected_group_size=expected_group_size, sample=sample)
 
+    async def run_tasks(self, tasks, *, temperature: float, seed: int) -> list[Trajectory]:
+        """One sample of each task through the running rollout loop, at this temperature and seed: a held-out
+        evaluation during RL (`Controller.run(on_step=...)`), on the latest published weights, its engine steps
+        shared with the training samples. Group ids -1, -2, ...: apart from the controller's GRPO groups."""
+        return list(await asyncio.gather(*(self.runner.submit(t, -1 - i, sample=0, temperature=temperature, seed=seed)
+                                           for i, t in enumerate(tasks))))
+
     def kv_hit_rate(self) -> float:
         return self.engine.stats()["prefix_hit_rate"]
 

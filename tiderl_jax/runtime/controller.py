@@ -53,6 +53,7 @@ from tiderl_jax.agents.env import LatencyModel, Task
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.policies import bidirl, ers, ra2p, staleness
+from tiderl_jax.runtime import health
 from tiderl_jax.runtime.controller_config import MODES, ControllerConfig  # noqa: F401 (re-exported)
 from tiderl_jax.runtime.metrics import RunMetrics
 from tiderl_jax.runtime.pool import Backend, DevicePool, split_devices
@@ -188,6 +189,7 @@ class Controller:
         self._held_mark = 0.0  # its value at the last step boundary
         self._held_since: float | None = None  # when the hold in progress began
         self.ers_economics: ers.MoveEconomics | None = None  # what ERS weighed at the last boundary
+        self.health = health.Monitor()  # per-update training health; warns when the run is not learning
 
     @property
     def discarded(self) -> int:
@@ -668,10 +670,9 @@ class Controller:
     def _ers_log(self) -> dict:
         """ERS's economics at the last boundary, for the step log (tiderl)."""
         e = self.ers_economics
-        if e is None:
-            return {}
-        return dict(ers_train_coupling=e.train_coupling, ers_scaling=e.scaling,
-                    ers_rollout_scaling=float("nan") if e.rollout_scaling is None else e.rollout_scaling)
+        return {} if e is None else dict(
+            ers_train_coupling=e.train_coupling, ers_scaling=e.scaling,
+            ers_rollout_scaling=float("nan") if e.rollout_scaling is None else e.rollout_scaling)
 
     def load_policy(self, params) -> None:
         """Starts from these weights (the warm start): the actor, the reference model and the
@@ -720,7 +721,9 @@ class Controller:
 
     # ------------------------------------------------------------------ the loop
 
-    async def run(self) -> dict:
+    async def run(self, on_step: Callable[[int], dict | None] | None = None) -> dict:
+        """Runs `config.steps` updates; returns `summary()`. `on_step(step)` (or a coroutine function), after
+        each publish, may return scalars logged as `eval_<name>` (`JaxBackend.run_tasks`, `health.eval_stats`)."""
         if hasattr(self._make_env, "prestart"):  # environment processes, started before any task needs one
             self._make_env.prestart(self.cfg.max_concurrent)
         if self.metrics.steps == 0:
@@ -745,17 +748,16 @@ class Controller:
                 await self._publish(self.version + 1)
                 self.version += 1  # only now: the producer admits the next batch on the new weights
                 self._wake.set()
-                lags = collections.Counter()
-                for t in trajs:
-                    for v, n in t.model_version_counts().items():
-                        lags[self.version - 1 - v] += n
-                self.metrics.consume(int(out.get("tokens", 0)), len(trajs), dict(lags), out.get("reward", 0.0))
+                lags = health.version_lags(trajs, self.version - 1)
+                stats = self.health.update(self.step, trajs, out, lags)  # warns when the run is not learning
+                self.metrics.consume(int(out.get("tokens", 0)), len(trajs), lags, stats["reward"])
                 self.consumed += [[t.group, t.info.get("sample")] for t in trajs]
+                evals = await self.metrics.run_hook(on_step, self.step)  # e.g. a held-out evaluation, whose
+                last += self.metrics.phases[-1][2] - self.metrics.phases[-1][1] if evals else 0.0  # time ERS ignores
                 self.metrics.log_step(self.step, dict(
-                    out, version=self.version, ready_groups=len(self.ready), trainer_wait_s=waited,
-                    ras=ras, hol_s=hol, running=self.running, discarded=self.discarded,
-                    kv_hit_rate=self.backend.kv_hit_rate(),
-                    ra2p_decoupled=float(self.ra2p_mode == ra2p.DECOUPLED),
+                    out, **stats, **evals, version=self.version, ready_groups=len(self.ready),
+                    trainer_wait_s=waited, ras=ras, hol_s=hol, running=self.running, discarded=self.discarded,
+                    kv_hit_rate=self.backend.kv_hit_rate(), ra2p_decoupled=float(self.ra2p_mode == ra2p.DECOUPLED),
                     ra2p_cost_colocated=decision.cost_colocated if decision else float("nan"),
                     ra2p_cost_decoupled=decision.cost_decoupled if decision else float("nan"),
                     rollout_devices=self.metrics.devices.get("rollout", 0),
@@ -776,7 +778,7 @@ class Controller:
 
     def summary(self) -> dict:
         s = self.metrics.summary()
-        s.update(mode=self.cfg.mode, kv_hit_rate=self.backend.kv_hit_rate(),
+        s.update(mode=self.cfg.mode, kv_hit_rate=self.backend.kv_hit_rate(), not_learning=len(self.health.warnings),
                  discarded=self.discarded, moves=len(self.moves), ers_refused=self.ers_refused,
                  borrows=len(self.borrows), borrows_refused=self.borrows_refused,
                  syncs_failed=self.syncs_failed, ledger=dict(self.ledger),

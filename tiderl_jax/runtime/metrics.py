@@ -17,23 +17,53 @@ Definitions (one each):
   count as that lane's waiting too;
 - KV hit rate: prompt tokens served from cache / all prompt tokens prefilled (the engine's counter);
 - staleness: per consumed token, current policy version minus the version that generated it.
+
+metrics.jsonl keeps one flat record per update (the names benchmarks, tests and plots read); TensorBoard
+groups the same scalars by prefix (`tensorboard_tag`): `train/` (the optimizer step and the batch's reward),
+`rollout/` (what the samples looked like), `sched/` (time, waiting, goodput and the mechanisms' signals),
+`eval/` (evaluations during RL, `eval_<name>` in the record) and `sft/` (the warm start, `log_scalars`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import json
 import logging
 import math
 import os
 import time
+from typing import Sequence
 
 log = logging.getLogger(__name__)
 
 LANES = ("rollout", "ref", "train")
 _COLORS = {"generate": "tab:blue", "score": "tab:orange", "train": "tab:green", "sync": "tab:red",
            "move": "tab:purple", "sft": "tab:olive", "eval": "tab:gray"}
+# TensorBoard groups of the per-update keys (metrics.jsonl keeps them flat); `eval_*` and `sft_*` go to eval/, sft/
+TAG_GROUPS = {
+    "train": ("reward", "reward_std", "zero_variance_groups", "loss", "policy_loss", "kl", "entropy", "value_loss",
+              "nll", "grad_norm", "skipped", "lr", "clip_fraction", "dual_clip_fraction", "approx_kl", "ratio",
+              "importance_weight", "truncated_fraction", "tokens", "sequences", "dropped", "version"),
+    "rollout": ("response_tokens_mean", "response_tokens_max", "turns_mean", "tool_calls_mean", "tool_error_rate",
+                "malformed_turn_rate", "kv_hit_rate", "staleness_mean", "running", "ready_groups", "discarded",
+                "consumed_tokens", "consumed_samples"),
+    "sched": ("goodput_tokens_per_s", "goodput_samples_per_s", "wall_s", "step_time_s", "trainer_wait_s",
+              "rollout_wait_total_s", "trainer_wait_total_s", "ras", "hol_s", "time_proximal_s", "time_ref_s",
+              "time_update_s", "compile_total_s", "rollout_devices", "ra2p_decoupled", "ra2p_cost_colocated",
+              "ra2p_cost_decoupled", "ers_train_coupling", "ers_scaling", "ers_rollout_scaling"),
+}
+_GROUP_OF = {key: group for group, keys in TAG_GROUPS.items() for key in keys}
+
+
+def tensorboard_tag(key: str) -> str:
+    """The TensorBoard tag of a metrics.jsonl key: `train/loss`, `rollout/turns_mean`, `sched/ras`, `eval/success`
+    (from `eval_success`), `sft/nll`; a key of no group goes to `other/`."""
+    for prefix in ("eval", "sft"):
+        if key.startswith(prefix + "_"):
+            return f"{prefix}/{key[len(prefix) + 1:]}"
+    return f"{_GROUP_OF.get(key, 'other')}/{key}"
 
 
 class RunMetrics:
@@ -62,6 +92,7 @@ class RunMetrics:
         self.consumed_tokens = 0
         self.consumed_samples = 0
         self.staleness = collections.Counter()  # version lag -> tokens
+        self.phases: list[tuple[str, float, float]] = []  # (name, start, end) in `clock` seconds, e.g. evaluations
         self.step_times: list[float] = []
         self.rewards: list[float] = []
         self.last_step_end = None
@@ -76,6 +107,7 @@ class RunMetrics:
         self.busy_s.clear()
         self.device_s.clear()
         self.idle_in_spans.clear()
+        self.phases.clear()
         self._held_since = {lane: 0.0 for lane in self.devices}
 
     def now(self) -> float:
@@ -125,21 +157,47 @@ class RunMetrics:
         wait = self.waiting()
         values = dict(values, goodput_tokens_per_s=self.consumed_tokens / max(now, 1e-9),
                       goodput_samples_per_s=self.consumed_samples / max(now, 1e-9), wall_s=now,
+                      step_time_s=self.step_times[-1] if self.step_times else now,
                       consumed_tokens=self.consumed_tokens, consumed_samples=self.consumed_samples,
                       rollout_wait_total_s=wait.get("rollout", 0.0),
                       trainer_wait_total_s=wait.get("train", 0.0) + wait.get("ref", 0.0))
-        for k, v in values.items():
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                self.writer.add_scalar(k, v, step)
+        self._scalars(step, values)
         self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self.jsonl.flush()
         from tiderl_jax.progress import format_seconds
         recent = self.step_times[-5:] or [now]
         eta = (self.total_steps - step) * sum(recent) / len(recent)
-        log.info("RL step %d/%d  %.1fs  reward %.3f  goodput %.0f tok/s  loss %.4f  step time %.1fs  ETA %s",
-                 step, self.total_steps, now, values.get("reward", float("nan")), values["goodput_tokens_per_s"],
-                 values.get("loss", float("nan")), self.step_times[-1] if self.step_times else now,
+        log.info("RL step %d/%d  %.1fs  reward %.3f ± %.3f (%.0f%% of groups all-equal)  goodput %.0f tok/s  loss %.4f"
+                 "  step time %.1fs  ETA %s", step, self.total_steps, now, values.get("reward", math.nan),
+                 values.get("reward_std", math.nan), 100 * values.get("zero_variance_groups", math.nan),
+                 values["goodput_tokens_per_s"], values.get("loss", math.nan), values["step_time_s"],
                  format_seconds(eta))
+
+    def _scalars(self, step: int, values: dict, prefix: str = "") -> None:
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self.writer.add_scalar(tensorboard_tag(prefix + k), v, step)
+
+    def log_scalars(self, group: str, step: int, values: dict) -> None:
+        """TensorBoard scalars of another phase at its own step (not in metrics.jsonl, one record per update):
+        `log_scalars("sft", 100, {"nll": 0.4})` is `sft/nll` at step 100."""
+        self._scalars(step, values, prefix=group + "_")
+        self.writer.flush()
+
+    async def run_hook(self, hook, step: int) -> dict:
+        """`hook(step)` after an update (a function or a coroutine function; `Controller.run(on_step=...)`): the
+        scalars it returns, named `eval_<name>` for the update's record (TensorBoard `eval/<name>`). The time it
+        took, when it returned scalars, is an `eval` phase on the timeline."""
+        if hook is None:
+            return {}
+        start = self.clock()
+        out = hook(step)
+        if inspect.isawaitable(out):
+            out = await out
+        if not out:
+            return {}
+        self.phases.append(("eval", start, self.clock()))
+        return {f"eval_{k}": v for k, v in out.items()}
 
     def waiting(self) -> dict[str, float]:
         """Device-seconds each lane was idle so far."""
@@ -172,26 +230,47 @@ class RunMetrics:
             staleness={int(k): int(v) for k, v in sorted(self.staleness.items())},
             mean_reward=sum(self.rewards) / len(self.rewards) if self.rewards else 0.0)
 
-    def plot_timeline(self, path: str) -> str:
-        """A PNG of what each lane did over time (one row per lane, a bar per span)."""
+    def plot_timeline(self, path: str, *, mode: str | None = None, title: str | None = None,
+                      phases: Sequence[tuple[str, float, float]] = ()) -> str:
+        """A PNG of what each lane did over time (one row per lane, a bar per span), titled with `mode` (and
+        `title`). `phases`: (name, start, end) in `clock` seconds (`time.perf_counter()` for the real backend),
+        e.g. the invocation's warm start, held-out evaluations and RL; they are drawn in a `phases` row above the
+        lanes with the evaluations during RL (`phases` of this object), and the x axis then starts at the first
+        phase (seconds since the invocation began) instead of at the RL phase's start."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        marks = list(phases) + self.phases
+        origin = min([self.t0] + [a for _, a, _ in marks])  # seconds on the axis count from here
+        shift = self.t0 - origin  # spans are stored since t0
         lanes = [lane for lane in LANES if any(s[0] == lane for s in self.spans)]
-        fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * max(1, len(lanes))))
+        rows = lanes + (["phases"] if marks else [])
+        fig, ax = plt.subplots(figsize=(12, 1.3 + 0.6 * max(1, len(rows))))
         for row, lane in enumerate(lanes):
             for ln, kind, start, end in self.spans:
                 if ln == lane:
-                    ax.broken_barh([(start, max(end - start, 1e-3))], (row - 0.4, 0.8),
+                    ax.broken_barh([(shift + start, max(end - start, 1e-3))], (row - 0.4, 0.8),
                                    color=_COLORS.get(kind, "black"))
-        ax.set_yticks(range(len(lanes)), lanes)
-        ax.set_xlabel("seconds")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for k, c in _COLORS.items()
-                   if any(s[1] == k for s in self.spans)]
-        ax.legend(handles, [k for k in _COLORS if any(s[1] == k for s in self.spans)],
-                  loc="upper center", ncol=8, bbox_to_anchor=(0.5, 1.35), frameon=False)
+        colors = plt.get_cmap("Pastel1")
+        for i, (name, start, end) in enumerate(phases):  # the invocation's phases: labelled, the upper part
+            ax.broken_barh([(start - origin, max(end - start, 1e-3))], (len(lanes) - 0.1, 0.5),
+                           color=colors(i % 9), edgecolor="gray")
+            ax.text(start - origin + (end - start) / 2, len(lanes) + 0.15, name, ha="center", va="center",
+                    fontsize=7, clip_on=True)
+        for _, start, end in self.phases:  # evaluations during RL: the lower part, in the legend
+            ax.broken_barh([(start - origin, max(end - start, 1e-3))], (len(lanes) - 0.4, 0.3),
+                           color=_COLORS["eval"])
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_xlabel("seconds since the invocation began" if phases else "seconds since the RL phase began")
+        kinds = [k for k in _COLORS if any(s[1] == k for s in self.spans) or (k == "eval" and self.phases)]
+        ax.legend([plt.Rectangle((0, 0), 1, 1, color=_COLORS[k]) for k in kinds],
+                  [k if k != "eval" else "evaluation during RL" for k in kinds],
+                  loc="lower center", ncol=8, bbox_to_anchor=(0.5, 1.0), frameon=False)
+        heading = " - ".join(x for x in (f"{mode} mode" if mode else "", title or "") if x)
+        if heading:
+            fig.suptitle(heading)
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)

@@ -1,7 +1,12 @@
-"""The main job's learning plot: what a person looks at to see whether RL learned.
+"""The main job's plots: what a person looks at to see whether RL learned.
 
-Left: the train reward of every update (the batch's mean over its GRPO samples) with its running mean. Right: held-out success before and after RL, greedy
-and sampled, pooled and by task kind, with the pooled gain's 95% paired-bootstrap interval in the title.
+`learning_curves` (`learning.png`): left, the train reward of every update (the batch's mean over its GRPO
+samples) with its running mean; right, held-out success before and after RL, greedy and sampled, pooled and by
+task kind, with the pooled gain's 95% paired-bootstrap interval in the title.
+
+`reward_curve` (`reward_curve.png`): per update, the reward mean with a band of one standard deviation over the
+batch's samples (and held-out success of the evaluations during RL, when there were any); below it the share of
+GRPO groups whose rewards were all equal (no GRPO signal), with the not-learning threshold.
 """
 
 from __future__ import annotations
@@ -75,6 +80,46 @@ def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, 
     ds, los, his = gains["sampled"]
     right.set_title(f"held-out success, {n} tasks; gain after - before [95% CI]:\n"
                     f"greedy {d:+.3f} [{lo:+.3f}, {hi:+.3f}], sampled {ds:+.3f} [{los:+.3f}, {his:+.3f}]", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def reward_curve(metrics_jsonl: str, path: str) -> str:
+    """Writes `reward_curve.png` from metrics.jsonl (module docstring); returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tiderl_jax.runtime.health import NOT_LEARNING_UPDATES, ZERO_VARIANCE_SHARE
+
+    rows = _steps(metrics_jsonl)
+    nan = float("nan")
+    steps = [r["step"] for r in rows]
+    mean = [r.get("reward", nan) for r in rows]
+    std = [r.get("reward_std", nan) for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, height_ratios=(2, 1))
+    top.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                     color="tab:blue", alpha=0.2, label="± one std over the batch's samples")
+    top.plot(steps, mean, "o-", color="tab:blue", label="train reward (batch mean)")
+    evals = [(r["step"], r["eval_success"]) for r in rows if "eval_success" in r]
+    if evals:
+        top.plot(*zip(*evals), "s--", color="tab:green", label="held-out success (evaluation during RL)")
+    top.set_ylabel("reward")
+    top.grid(alpha=0.3)
+    top.legend(loc="upper left", fontsize=8)
+    top.set_title(f"training reward over {len(rows)} updates")
+    bottom.bar(steps, [r.get("zero_variance_groups", nan) for r in rows], color="tab:red", alpha=0.6,
+               label="GRPO groups with all-equal rewards (no signal)")
+    bottom.axhline(ZERO_VARIANCE_SHARE, color="black", linestyle=":", linewidth=1,
+                   label=f"not learning above this for {NOT_LEARNING_UPDATES} updates")
+    bottom.set_ylim(0, 1.02)
+    bottom.set_ylabel("share of groups")
+    bottom.set_xlabel("RL update")
+    bottom.grid(alpha=0.3)
+    bottom.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

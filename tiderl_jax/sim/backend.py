@@ -428,10 +428,10 @@ def rare_collections(threshold: int = 1_000_000):
 
 
 def run(sim: SimConfig, controller_config, *, num_devices: int, logdir: str,
-        shape_sampler=None, programs: set | None = None) -> tuple[dict, Any, SimBackend]:
+        shape_sampler=None, programs: set | None = None, on_step=None) -> tuple[dict, Any, SimBackend]:
     """Runs the controller on the simulator to its last step: (summary, controller, backend).
     `shape_sampler`: `SimBackend.shape_sampler` (None: the workload's distributions); `programs`:
-    `SimBackend.programs` (shared by the runs of one simulated process)."""
+    `SimBackend.programs` (shared by the runs of one simulated process); `on_step`: `Controller.run`'s."""
     controller, backend = make_controller(sim, controller_config, num_devices=num_devices, logdir=logdir)
     backend.shape_sampler = shape_sampler
     backend.programs = programs
@@ -439,7 +439,7 @@ def run(sim: SimConfig, controller_config, *, num_devices: int, logdir: str,
     try:
         asyncio.set_event_loop(loop)
         with rare_collections():
-            summary = loop.run_until_complete(controller.run())
+            summary = loop.run_until_complete(controller.run(on_step=on_step))
     finally:
         try:  # what the controller left running (e.g. a decoupled ref pass) is cancelled, as asyncio.run does
             pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
