@@ -124,6 +124,9 @@ class ToolEnvironment:
         self.require_tool_call = require_tool_call  # the tasks need their tool: an answer before
         self.malformed_turns = 0                    # any tool call is sent back, not scored
         self.tool_calls = 0
+        # How a turn's tool calls are read: the built-in markup, or the checkpoint's format (the rollout
+        # loop sets its ChatTemplate's parser when the model has a template of its own).
+        self.parse_tool_calls: Callable[[str], chat.ParsedTurn] = chat.parse_tool_calls
 
     async def reset(self, task: Task) -> str | Observation:
         self.task = task
@@ -131,7 +134,7 @@ class ToolEnvironment:
 
     async def step(self, action: str) -> StepResult:
         assert self.task is not None, "reset() first"
-        parsed = chat.parse_tool_calls(action)
+        parsed = self.parse_tool_calls(action)
         if parsed.errors:
             self.malformed_turns += 1
             return StepResult("error: " + "; ".join(parsed.errors), 0.0, False,

@@ -24,6 +24,12 @@ offsets. CTB passes the new observation's spans to `Engine.resume`; the baseline
 whole context with all its spans. A model that cannot take an image (text-only, or another patch
 shape) fails that task with `engine_error`, the reason stated.
 
+Chat format: the built-in ChatML (`chat.encode`), or the checkpoint's own template when the tokenizer
+ships one (`Tokenizer.chat_template` -> `chat_template.ChatTemplate`): the prompt is its encoding, each
+observation its token delta after the model's turn (`observation_ids`: the conversation rendered without
+and with the tool message), the model's tokens stay exactly as sampled, the environment parses the turn
+in the family's tool-call format, and turns end at the checkpoint's stop tokens (`Tokenizer.stop_ids`).
+
 Truncation policy: a task whose context plus the next observation plus one more turn's budget
 would exceed `max_context` ends with `end_reason="context_limit"` and reward 0, keeping what it
 generated (the observation that does not fit is not appended), so no trajectory is longer than
@@ -57,6 +63,7 @@ from tiderl_jax.agents.trajectory import Trajectory, Turn
 from tiderl_jax.engine.engine import Engine, Request, SequenceOutput
 from tiderl_jax.engine.sampling import RequestError, SamplingParams
 from tiderl_jax.model import chat, vision
+from tiderl_jax.model.chat_template import ChatTemplate
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.model.vision import ImageSpan
 from tiderl_jax.policies import ctb
@@ -209,6 +216,7 @@ class RolloutRunner:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, config: RolloutConfig = RolloutConfig()):
         self.engine = engine
         self.tok = tokenizer
+        self.template = ChatTemplate.for_tokenizer(tokenizer)  # None: the built-in ChatML
         self.config = config
         self.metrics = dict(tasks=0, completed=0, failed=0, rewinds=0, malformed_turns=0, turns=0,
                             generated_tokens=0, ctb_evictions=0, env_seconds=0.0)
@@ -258,7 +266,12 @@ class RolloutRunner:
         try:  # an image the model cannot take, or text that holds image placeholders
             messages = [chat.Message("system", SYSTEM_PROMPT),
                         chat.Message("user", first.text, images=self._patches(first))]
-            encoded = chat.encode(self.tok, messages, add_generation_prompt=True)
+            if self.template is not None:
+                encoded = self.template.encode(messages, add_generation_prompt=True)
+                if hasattr(env, "parse_tool_calls"):  # the model calls tools in its family's format
+                    env.parse_tool_calls = self.template.parse_tool_calls
+            else:
+                encoded = chat.encode(self.tok, messages, add_generation_prompt=True)
         except (RequestError, ValueError) as e:
             return self._fail(traj, s, "engine_error", str(e))
         context = encoded.ids
@@ -270,7 +283,7 @@ class RolloutRunner:
             return self._fail(traj, s, "prompt_too_long",
                               f"the prompt is {len(context)} tokens; rollout.max_context={cfg.max_context} leaves "
                               f"room for at most {room} with max_new_tokens={cfg.max_new_tokens}")
-        stop = (self.tok.eos_id,)
+        stop = self.tok.stop_ids
         marks = [len(traj.tokens)]  # trajectory length after the prompt, then after each observation
         await admission.acquire(s, self._footprint(s, len(context)))
         try:
@@ -307,6 +320,7 @@ class RolloutRunner:
                         self._rewind(driver, s, traj, marks, r.turn)
                     except ValueError as e:
                         return self._fail(traj, s, "env_error", str(e))
+                    del messages[2 + 2 * r.turn:]  # system, user, then (assistant, tool) per turn
                     turn = r.turn - 1
                     continue
                 except asyncio.TimeoutError:
@@ -326,9 +340,9 @@ class RolloutRunner:
                     traj.reward = float(result.reward)
                     traj.end_reason = "answered"
                     break
-                closing = "" if out.finish_reason == "stop" else chat.TURN_END
                 try:
-                    obs, obs_images = self._encode_observation(closing, as_observation(result.observation))
+                    obs, obs_images = self._encode_observation(messages, text, out.finish_reason == "stop",
+                                                               as_observation(result.observation))
                 except (RequestError, ValueError) as e:
                     return self._fail(traj, s, "engine_error", str(e))
                 if len(traj.tokens) + len(obs) + cfg.max_new_tokens > cfg.max_context:
@@ -385,12 +399,22 @@ class RolloutRunner:
                 raise RequestError(f"observation image: {e}") from None
         return tuple(patches)
 
-    def _encode_observation(self, closing: str, obs: Observation) -> tuple[list[int], list[ImageSpan]]:
-        """The tokens that end the model's turn and add the observation as a tool message, with the
-        generation prompt; and the observation's image spans (offsets into those tokens)."""
-        prefix = self.tok.encode(closing + "\n")
-        encoded = chat.encode(self.tok, [chat.Message("tool", obs.text, images=self._patches(obs))],
-                              add_generation_prompt=True)
+    def _encode_observation(self, messages: list[chat.Message], turn_text: str, stopped: bool,
+                            obs: Observation) -> tuple[list[int], list[ImageSpan]]:
+        """The tokens that end the model's turn (its end-of-turn token when it did not stop on one) and
+        add the observation as a tool message, with the generation prompt; and the observation's image
+        spans (offsets into those tokens). `messages` gains the model's turn and the tool message."""
+        tool = chat.Message("tool", obs.text, images=self._patches(obs))
+        if self.template is not None:
+            parsed = self.template.parse_tool_calls(turn_text)
+            said = chat.Message("assistant", parsed.content, parsed.tool_calls) if not parsed.errors else \
+                chat.Message("assistant", turn_text)
+            ids = self.template.observation_ids(messages + [said], [tool], model_stopped=stopped)
+            messages += [said, tool]
+            return ids, []
+        messages += [chat.Message("assistant", turn_text), tool]
+        prefix = self.tok.encode(("" if stopped else chat.TURN_END) + "\n")
+        encoded = chat.encode(self.tok, [tool], add_generation_prompt=True)
         return prefix + encoded.ids, [im.shifted(len(prefix)) for im in encoded.images]
 
     def _footprint(self, s: _TaskState, context_len: int) -> int:
