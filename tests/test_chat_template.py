@@ -59,6 +59,9 @@ def test_smollm2_observation_delta(smol_tok):
 # ------------------------------------------------------------------ a Llama-3.1-style template
 
 LLAMA31_STYLE = r"""{{- bos_token }}
+{%- if date_string is not defined %}
+    {%- set date_string = '26 Jul 2024' %}
+{%- endif %}
 {%- if messages[0]['role'] == 'system' %}
     {%- set system = messages[0]['content'] | trim %}
     {%- set messages = messages[1:] %}

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -43,3 +44,19 @@ def test_text_prompts_and_sampling(tmp_path):
 def test_missing_checkpoint_is_a_named_error():
     r = _run("--checkpoint=/nonexistent", "--prompt=x")
     assert r.returncode == 2 and "no config.json" in r.stderr
+
+
+def test_llama3_style_tokenizer_loads_and_its_stop_tokens_apply(tmp_path):
+    """A checkpoint whose tokenizer has no <|im_end|> (Llama 3's eos / eot / eom, in tokenizer_config.json and
+    generation_config.json) loads; generation stops at its stop tokens (here all outside the tiny model's
+    vocabulary, so it runs to max_new_tokens)."""
+    from test_chat_template import _llama_tok
+    path = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "llama", path)
+    tok = _llama_tok()
+    tok.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(tok.stop_ids)}))
+    r = _run(f"--checkpoint={path}", "--prompt=hi", "--temperature=0", "--max_new_tokens=3",
+             f"--json_out={tmp_path / 'o.json'}", "--max_seq_len=64", "--num_pages=16")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(json.loads((tmp_path / "o.json").read_text())[0]["token_ids"]) == 3
