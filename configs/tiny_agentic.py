@@ -46,6 +46,9 @@ def get_config():
                         "probe_samples": 4})
     # held-out evaluation before and after RL: `tasks` held-out tasks, the kinds in turn (pooled)
     c.eval = ConfigDict({"tasks": 128})
+    # the trained policy is exported in HF format to logdir/hf_export/ at the end; True also exports it at
+    # every RL checkpoint (controller.checkpoint_every), to logdir/hf_export_steps/step_N/
+    c.export_every_checkpoint = False
     # every option of the controller, engine, rollout, trainer and loss is here (their defaults, then
     # the main job's values), so each can be set with --config.<section>.<key>=v
     c.controller = section(ControllerConfig, exclude=("task_kinds",),

@@ -39,24 +39,19 @@ def _commit() -> str:
         return "unknown"
 
 
-def export(graphdef, params, tokenizer, path: str) -> int:
-    """Writes the policy as an HF checkpoint with its tokenizer; returns the bytes written."""
-    from flax import nnx
-
-    from tiderl_jax.model.hf_io import save_hf_checkpoint
-    names = save_hf_checkpoint(nnx.merge(graphdef, params), path)
-    tokenizer.save(os.path.join(path, "tokenizer.json"))
-    return sum(os.path.getsize(os.path.join(path, f)) for f in names + ["config.json", "tokenizer.json"])
-
-
 def main(argv):
     del argv
     cfg = _CONFIG.value
-    config_lib.apply_platform_settings(cfg)
+    try:
+        config_lib.apply_platform_settings(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     import jax
     from flax import nnx
 
     from tiderl_jax.engine.engine import Engine
+    from tiderl_jax.model.hf_io import export_policy
     from tiderl_jax.rl import sft
 
     try:
@@ -77,7 +72,7 @@ def main(argv):
     def on_probe(step, success, weights):
         probes.append(dict(step=step, sampled_success=success))
         if FLAGS.snapshots:
-            export(graphdef, weights, tokenizer, os.path.join(FLAGS.out, "snapshots", f"step_{step}"))
+            export_policy(graphdef, weights, tokenizer, os.path.join(FLAGS.out, "snapshots", f"step_{step}"))
 
     t0 = time.perf_counter()
     s = cfg.sft
@@ -85,7 +80,7 @@ def main(argv):
         model, tokenizer, tuple(cfg.tasks), s.to_dict(), warm_cfg, engine=engine,
         load=lambda p: engine.update_params(p, 0), rollout=rcfg, seed=cfg.seed, on_probe=on_probe)
     seconds = time.perf_counter() - t0
-    size = export(graphdef, weights, tokenizer, FLAGS.out)
+    size = export_policy(graphdef, weights, tokenizer, FLAGS.out)
     meta = dict(command=" ".join(["python"] + sys.argv), commit=_commit(), steps=len(curve),
                 nll_first=curve[0], nll_last=curve[-1], probes=probes, seconds=round(seconds, 1),
                 bytes=size, tasks=list(cfg.tasks), seed=cfg.seed, sft=s.to_dict(), nll=curve)

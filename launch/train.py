@@ -12,12 +12,19 @@ Phases, each with a progress line (global step / total, rate, ETA):
 3. **RL**: the controller (rollout, scoring, training, weight sync, ERS) for `controller.steps` updates.
 4. **Held-out after**, on the same tasks and seeds; the gain with its 95% paired-bootstrap interval.
 5. **Summary**: a table, `summary.json`, `learning.png` (reward and held-out curves) and
-   `timeline.png` (what each device group did) in `config.logdir`.
+   `timeline.png` (what each device group did) in `config.logdir` (`tiderl_jax/run_report.py`).
 
-Ctrl-C in any phase saves what there is (the warm start's weights, or the RL checkpoint with its ready
-and in-flight samples) and exits with status 130; the same command resumes. A log directory that holds
-a run of another configuration is refused (use another `--config.logdir`). A failure (an engine step
-that raises, weight syncs that keep failing) ends the run with the error named, after a checkpoint.
+6. **The policy**: exported in HF format to `config.logdir/hf_export/` (`launch/generate.py
+   --checkpoint=...` loads it; `--config.export_every_checkpoint=true` also exports at each RL checkpoint,
+   to `hf_export_steps/step_N/`); every held-out rollout is in `rollouts/*.jsonl`, decoded.
+
+The resolved config is written to `config.json`. Ctrl-C in any phase saves what there is (the warm
+start's weights, or the RL checkpoint with its ready and in-flight samples) and exits with status 130;
+the same command resumes. A log directory that holds a run of another configuration is refused, naming
+every differing key (`tiderl_jax/run_state.py`: only the step budget and a few harmless keys may change);
+a finished run says so and exits 0, overwriting nothing; a raised `controller.steps` continues it. A
+failure (an engine step that raises, weight syncs that keep failing) ends the run with the error named,
+after a checkpoint.
 """
 
 import asyncio
@@ -35,59 +42,12 @@ from tiderl_jax import config as config_lib  # noqa: E402
 from tiderl_jax.model.config import ConfigError  # noqa: E402
 
 _CONFIG = config_lib.define_config_flag("configs/tiny_agentic.py")
-# keys a resumed run may change (how long to train, how much to evaluate, where progress goes)
-_RESUMABLE_CHANGES = ("controller.steps", "eval.", "sft.log_every")
 
 
 def _fail(message: str, status: int = 2):
     message = " | ".join(line.strip() for line in str(message).strip().splitlines() if line.strip())
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
-    return out
-
-
-class RunState:
-    """`run_state.json` in the log directory: the run's config and what its finished phases produced."""
-
-    def __init__(self, logdir: str, config: dict):
-        self.path = os.path.join(logdir, "run_state.json")
-        self.config = _flat(config)
-        self.data = {}
-        if os.path.exists(self.path):
-            try:
-                with open(self.path) as f:
-                    self.data = json.load(f)
-            except (OSError, json.JSONDecodeError) as e:
-                raise ConfigError(f"{self.path}: unreadable ({e}); delete the log directory to start over") from None
-
-    def check_same_run(self, logdir: str) -> None:
-        """A resume must continue the same run: a different config in the same log directory is refused."""
-        old = self.data.get("config")
-        if old is None:
-            return
-        diff = [k for k in sorted(set(old) | set(self.config)) if old.get(k) != self.config.get(k)
-                and k != "logdir" and not k.startswith(_RESUMABLE_CHANGES)]
-        if diff:
-            shown = ", ".join(f"{k}: {old.get(k)!r} -> {self.config.get(k)!r}" for k in diff[:3])
-            raise ConfigError(f"{logdir} holds a run of another configuration ({shown}"
-                              f"{', ...' if len(diff) > 3 else ''}); resume it with its own settings, or "
-                              f"pass another --config.logdir (or delete {logdir}) to start a new run")
-
-    def save(self, **updates) -> None:
-        self.data.update(updates, config=self.config)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f)
-        os.replace(tmp, self.path)
 
 
 class Phases:
@@ -124,9 +84,11 @@ def _check_prompts(cfg, tokenizer) -> None:
 
 
 def _evaluate(controller, tokenizer, cfg, rollout, when: str) -> dict:
-    """Held-out success, greedy and sampled, on the pooled held-out tasks (`rl.evaluate.heldout_results`)."""
+    """Held-out success, greedy and sampled, on the pooled held-out tasks (`rl.evaluate.heldout_results`);
+    the rollouts themselves go to `rollouts/heldout_<when>_<greedy|sampled>.jsonl`, decoded."""
     import dataclasses
 
+    from tiderl_jax import run_report
     from tiderl_jax.progress import Progress, format_seconds
     from tiderl_jax.rl import evaluate
 
@@ -135,20 +97,58 @@ def _evaluate(controller, tokenizer, cfg, rollout, when: str) -> dict:
         t0 = time.perf_counter()
         config = dataclasses.replace(rollout, temperature=temperature, mode="request", seed=cfg.seed + 7)
         bar = Progress(f"held-out {when} ({name})", cfg.eval.tasks, unit="task", every=cfg.eval.tasks // 4 or 1)
-        out[name] = evaluate.heldout_results(controller.engine, tokenizer, tuple(cfg.tasks), cfg.eval.tasks,
-                                             config, progress=bar.update)
+        trajectories = evaluate.heldout_trajectories(controller.engine, tokenizer, tuple(cfg.tasks), cfg.eval.tasks,
+                                                     config, progress=bar.update)
         bar.close()
+        evaluate.save_readable(trajectories, tokenizer,
+                               os.path.join(cfg.logdir, "rollouts", f"heldout_{when}_{name}.jsonl"))
+        out[name] = evaluate.results_of(trajectories)
         rewards = out[name]["rewards"]
-        print(f"held-out {when} ({name}): {sum(r >= 1 for r in rewards)}/{len(rewards)} solved, mean reward "
+        print(f"held-out {when} ({name}): {run_report.count_rate(rewards)} solved, mean reward "
               f"{sum(rewards) / len(rewards):.3f} [{format_seconds(time.perf_counter() - t0)}]", flush=True)
     return out
 
 
-def _by_kind(results: dict) -> dict:
-    kinds = {}
-    for kind, reward in zip(results["kinds"], results["rewards"]):
-        kinds.setdefault(kind, []).append(reward)
-    return {k: sum(v) / len(v) for k, v in kinds.items()}
+def _export(controller, tokenizer, path: str) -> str:
+    """The policy the trainer holds, as an HF checkpoint (`hf_io.export_policy`)."""
+    from tiderl_jax.model.hf_io import export_policy
+
+    trainer = controller.trainer
+    export_policy(trainer.graphdef, trainer.params, tokenizer, path,
+                  meta=dict(step=controller.step, version=controller.version, mode=controller.cfg.mode))
+    return path
+
+
+def _export_at_checkpoints(controller, tokenizer, logdir: str) -> None:
+    """Every RL checkpoint (`Controller.save`) also exports the policy, to hf_export_steps/step_N/."""
+    save = controller.save
+
+    def save_and_export(wait: bool = False) -> None:
+        save(wait=wait)
+        _export(controller, tokenizer, os.path.join(logdir, "hf_export_steps", f"step_{controller.step}"))
+    controller.save = save_and_export
+
+
+def _ledger(controller, state) -> dict:
+    """The whole run's sample ledger with each term of its identity (`run_report.ledger_accounts`)."""
+    from tiderl_jax import run_report
+
+    groups = [*controller.in_flight.values(), *controller.resume_groups]
+    return run_report.ledger_accounts(
+        dict(controller.ledger), unfinished=controller.unfinished(), trained=len(controller.consumed),
+        ready=sum(len(g.trajectories) for g in controller.ready), waiting=sum(len(g.trajectories) for g in groups),
+        interrupted=state.data.get("lost_at_interruptions", 0))
+
+
+def _count_lost(controller, state) -> None:
+    """RL stopped by an interruption or a failure. `Controller.save` kept the ready buffer and the in-flight
+    groups, not the batch the update in progress held (the ledger's residual now), nor the groups of an
+    earlier checkpoint not yet admitted again (`resume_groups`): their completed samples will be neither
+    trained nor generated again. run_state keeps their count for the ledger (`run_report.ledger_accounts`)."""
+    lost = (_ledger(controller, state)["completed_as"]["unexplained"]
+            + sum(len(g.trajectories) for g in controller.resume_groups))
+    if lost > 0:
+        state.save(lost_at_interruptions=state.data.get("lost_at_interruptions", 0) + lost)
 
 
 def main(argv):
@@ -161,12 +161,14 @@ def main(argv):
 
 
 def _main(cfg):
-    config_lib.apply_platform_settings(cfg)
+    from tiderl_jax.run_state import RunState, write_config
+
     logging.set_verbosity(logging.INFO)
     pylogging.getLogger("absl").setLevel(pylogging.WARNING)  # orbax's per-save chatter (after the above)
     pylogging.getLogger("tiderl_jax").setLevel(pylogging.INFO)
     phases = Phases()
     try:  # every check that needs no model, then the model
+        platform = config_lib.apply_platform_settings(cfg)
         config_lib.check_main_job(cfg)
         if cfg.warm_start == "scratch":
             with cfg.unlocked():
@@ -175,7 +177,19 @@ def _main(cfg):
         tokenizer = config_lib.build_tokenizer(cfg)
         _check_prompts(cfg, tokenizer)
         state = RunState(cfg.logdir, cfg.to_dict())
-        state.check_same_run(cfg.logdir)
+        state.check_same_run()
+        done = state.finished()
+        if done is not None and done["steps"] >= ccfg.steps:
+            print(f"{cfg.logdir} holds a finished run ({done['steps']} RL steps, held-out before and after); "
+                  f"its summary is {done['summary']}; nothing was run or overwritten. To train it further, "
+                  f"raise --config.controller.steps above {done['steps']}; to start a new run, use another "
+                  f"--config.logdir or delete {cfg.logdir}", flush=True)
+            return
+        config_file = write_config(cfg.logdir, cfg.to_dict())
+        if done is not None:
+            kept = state.continue_finished(done)
+            print(f"continuing the finished run in {cfg.logdir} from {done['steps']} to {ccfg.steps} RL steps"
+                  + (f"; its summary so far is kept as {kept}" if kept else ""), flush=True)
         _, rules, tokenizer, model = config_lib.build(cfg)
     except ConfigError as e:
         _fail(str(e))
@@ -185,7 +199,6 @@ def _main(cfg):
 
     compiles = CompileWatch().start()
 
-    os.makedirs(cfg.logdir, exist_ok=True)
     controller = None
     try:
         controller = Controller(model, tokenizer, config=ccfg, engine_config=ecfg, rollout_config=rcfg,
@@ -194,9 +207,12 @@ def _main(cfg):
         resumed = controller.restore()
     except ConfigError as e:
         _fail(str(e))
+    if cfg.get("export_every_checkpoint", False):
+        _export_at_checkpoints(controller, tokenizer, cfg.logdir)
     print(f"model: {model.cfg.arch}, {_num_params(model) / 1e6:.2f}M parameters "
           f"({'from ' + cfg.checkpoint if cfg.checkpoint else 'random weights, warm start first'}); "
-          f"tasks {', '.join(cfg.tasks)}; {ccfg.mode} on {len(controller.backend.devices)} devices", flush=True)
+          f"tasks {', '.join(cfg.tasks)}; {ccfg.mode} on {len(controller.backend.devices)} {platform} devices; "
+          f"config in {config_file}", flush=True)
     try:
         if resumed:
             print(f"resumed from {cfg.logdir} at step {controller.step}/{ccfg.steps}", flush=True)
@@ -222,18 +238,30 @@ def _main(cfg):
         if "rl_summary" not in state.data or controller.step < ccfg.steps:
             phases.enter("RL")
             summary = asyncio.run(controller.run())
-            state.save(rl_summary=dict(summary, rewards=controller.metrics.rewards))
+            state.save(rl_summary=dict(summary, rewards=controller.metrics.rewards, step=controller.step,
+                                       ledger_accounts=_ledger(controller, state), ers_moves=list(controller.moves),
+                                       ers_refusal_last=controller.ers_history.refused))
         summary = state.data["rl_summary"]
+        summary.setdefault("step", controller.step)  # a run_state.json from before these were kept
+        summary.setdefault("ledger_accounts", _ledger(controller, state))
         phases.enter("held-out after")
         if controller.step < ccfg.steps:  # the run stopped early (e.g. the producer failed)
             raise RuntimeError(f"RL ended at step {controller.step} of {ccfg.steps}")
         after = _evaluate(controller, tokenizer, cfg, rcfg, "after")
         state.save(heldout_after=after)
+        phases.enter("export")
+        policy = _export(controller, tokenizer, os.path.join(cfg.logdir, "hf_export"))
         phases.enter("summary")
         compiles.stop()
-        _report(cfg, ccfg, controller, summary, before, after, phases, compiles)
+        path = _report(cfg, ccfg, controller, summary, before, after, phases, compiles, platform,
+                       dict(policy=f"{policy} (python launch/generate.py --checkpoint={policy})",
+                            rollouts=os.path.join(cfg.logdir, "rollouts", "heldout_*.jsonl"),
+                            config=config_file))
+        state.save(finished=dict(steps=controller.step, summary=path))
     except KeyboardInterrupt:
         where = phases.current
+        if where == "RL":
+            _count_lost(controller, state)
         print(f"\ninterrupted in {where} at RL step {controller.step}/{ccfg.steps}: saved in {cfg.logdir}; "
               f"run the same command to resume", flush=True)
         sys.exit(130)
@@ -241,6 +269,8 @@ def _main(cfg):
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - the user gets the error named, not a traceback
         import traceback
+        if phases.current == "RL":
+            _count_lost(controller, state)
         trace = os.path.join(cfg.logdir, "error.log")
         with open(trace, "a") as f:
             traceback.print_exc(file=f)
@@ -261,62 +291,34 @@ def _num_params(model) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model)))
 
 
-def _report(cfg, ccfg, controller, summary, before, after, phases, compiles) -> None:
+def _report(cfg, ccfg, controller, summary, before, after, phases, compiles, platform, files) -> str:
+    """The summary table (printed) and summary.json (`tiderl_jax/run_report.py`); returns summary.json's path."""
+    import jax
+
+    from tiderl_jax import run_report
     from tiderl_jax.rl import stats
     from tiderl_jax.runtime import plots
 
-    import jax
-
-    gains = {}
-    for name in ("greedy", "sampled"):
-        gains[name] = stats.paired_bootstrap(before[name]["rewards"], after[name]["rewards"], seed=cfg.seed)
+    gains = {name: stats.paired_bootstrap(before[name]["rewards"], after[name]["rewards"], seed=cfg.seed)
+             for name in ("greedy", "sampled")}
     png = controller.metrics.plot_timeline(os.path.join(cfg.logdir, "timeline.png"))
     curves = plots.learning_curves(os.path.join(cfg.logdir, "metrics.jsonl"), before, after, gains,
                                    os.path.join(cfg.logdir, "learning.png"))
     phases.enter("done")
     total = sum(phases.seconds.values())
-    rl_s = phases.seconds.get("RL", 0.0)
-    n = len(before["greedy"]["rewards"])
-
-    def solved(results):
-        return f"{sum(r >= 1 for r in results['rewards'])}/{len(results['rewards'])}"
-
-    rewards = summary.get("rewards") or [float("nan")]
-    k = max(1, len(rewards) // 4)
-    rows = [("mode", ccfg.mode), ("updates", f"{summary['steps']} x {ccfg.batch_samples} samples"),
-            ("train reward", f"first quarter of the updates {sum(rewards[:k]) / k:.3f}, last quarter "
-                             f"{sum(rewards[-k:]) / k:.3f}")]
-    for name in ("greedy", "sampled"):
-        d, lo, hi = gains[name]
-        b, a = before[name], after[name]
-        rows += [(f"held-out {name}", f"{solved(b)} -> {solved(a)} tasks solved; gain {d:+.3f} "
-                                      f"[95% CI {lo:+.3f}, {hi:+.3f}]"),
-                 (f"  by kind", "  ".join(f"{k} {_by_kind(b)[k]:.3f} -> {_by_kind(a)[k]:.3f}" for k in _by_kind(b)))]
-    rows += [("goodput", f"{summary['goodput_tokens_per_s']:.0f} tokens/s, "
-                         f"{summary['goodput_samples_per_s']:.2f} samples/s"),
-             ("step time", f"{summary['step_time_s']:.2f}s"),
-             ("waiting (device-s)", f"rollout {summary['rollout_wait_s']:.0f}, trainer {summary['trainer_wait_s']:.0f}"),
-             ("KV hit rate", f"{summary['kv_hit_rate']:.3f}"),
-             ("ERS moves", summary["moves"]), ("discarded samples", summary["discarded"]),
-             ("compiles", f"{compiles.count} device programs, {compiles.seconds:.0f}s (in the times below)"),
-             ("time", " | ".join(f"{k} {v:.0f}s" for k, v in phases.seconds.items() if v >= 0.5)
-              + f" | RL {100 * rl_s / max(total, 1e-9):.0f}% of {total:.0f}s"),
-             ("plots", f"{curves}, {png}"),
-             ("metrics", f"{cfg.logdir}/metrics.jsonl, TensorBoard: tensorboard --logdir {cfg.logdir}")]
-    width = max(len(k) for k, _ in rows)
-    print("\n" + "\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
-    d, lo, hi = gains["greedy"]
-    out = dict(summary, heldout_by_kind_before={k: _by_kind(before[k]) for k in before},
-               heldout_by_kind_after={k: _by_kind(after[k]) for k in after}, heldout_tasks=n,
-               heldout_gain=d, heldout_gain_ci95=[lo, hi],
-               heldout_gain_sampled=gains["sampled"][0], heldout_gain_sampled_ci95=list(gains["sampled"][1:]),
-               heldout_success_before={k: sum(before[k]["rewards"]) / n for k in before},
-               heldout_success_after={k: sum(after[k]["rewards"]) / n for k in after},
-               rl_wall_s=summary["wall_s"], wall_s=total, compiled_programs=compiles.count,
-               compile_s=compiles.seconds, phases_s=phases.seconds, devices=len(jax.devices()),
-               platform=jax.devices()[0].platform)
-    with open(os.path.join(cfg.logdir, "summary.json"), "w") as f:
+    files = dict(files, plots=f"{curves}, {png}",
+                 metrics=f"{cfg.logdir}/metrics.jsonl, TensorBoard: tensorboard --logdir {cfg.logdir}")
+    rows = run_report.summary_rows(mode=ccfg.mode, rl=summary, batch_samples=ccfg.batch_samples, before=before,
+                                   after=after, gains=gains, phases_s=phases.seconds, total_s=total,
+                                   compiles=(compiles.count, compiles.seconds), files=files)
+    print("\n" + run_report.format_table(rows), flush=True)
+    out = run_report.summary_json(rl=summary, before=before, after=after, gains=gains, phases_s=phases.seconds,
+                                  total_s=total, compiles=(compiles.count, compiles.seconds),
+                                  devices=len(jax.devices()), platform=platform, files=files)
+    path = os.path.join(cfg.logdir, "summary.json")
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
+    return path
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""The main job (`launch/train.py`) end to end at tiny settings: the success path with its outputs, Ctrl-C
-in each phase (saved, and the same command resumes), the warm start from scratch on the visual task,
-and an engine that fails (the run ends with the error named, no traceback, nothing hangs)."""
+"""The main job (`launch/train.py`) end to end at tiny settings: the success path with its outputs (the
+summary's counts, clocks and ledger, the config, the rollouts, the exported policy that generate.py runs),
+Ctrl-C in each phase (saved, and the same command resumes), a finished run left alone and continued with
+a raised step budget, the warm start from scratch on the visual task, and an engine that fails (the run
+ends with the error named, no traceback, nothing hangs)."""
 
 import json
 import os
@@ -55,16 +57,45 @@ def test_interrupted_in_each_phase_it_resumes_and_reports_the_learning_statistic
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from" in out and "Traceback" not in out
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["heldout_tasks"] == 4 and summary["steps"] >= 1
+    assert summary["heldout_tasks"] == 4 and summary["steps"] >= 1 and summary["step"] == 3
     low, high = summary["heldout_gain_ci95"]
     assert low <= summary["heldout_gain"] <= high
-    assert summary["rl_wall_s"] > 0 and set(summary["phases_s"]) >= {"start", "RL", "held-out after"}
+    assert summary["rl_wall_s"] > 0 and summary["total_wall_s"] > summary["rl_wall_s"] and "wall_s" not in summary
+    assert set(summary["phases_s"]) >= {"start", "RL", "held-out after", "export"}
+    assert summary["heldout_after"]["greedy"]["tasks"] == 4
+    ledger = summary["ledger"]  # the whole run's, across the interruptions: every sample accounted for
+    assert ledger["unexplained"] == 0 and ledger["completed_as"]["unexplained"] == 0, ledger
+    assert ledger["admitted"] > 0 and 0 < ledger["completed_as"]["trained"] <= 3 * 4  # 3 updates of 2 groups x 2
     for png in ("learning.png", "timeline.png"):
         assert (tmp_path / png).stat().st_size > 1000
-    assert "held-out greedy" in out and "95% CI" in out
+    assert "held-out greedy" in out and "95% CI" in out and "RL wall time" in out and "total wall time" in out
+    assert json.loads((tmp_path / "config.json").read_text())["controller"]["steps"] == 3
+    for when in ("before", "after"):
+        for name in ("greedy", "sampled"):
+            rows = [json.loads(line) for line in open(tmp_path / "rollouts" / f"heldout_{when}_{name}.jsonl")]
+            assert len(rows) == 4 and all({"text", "tokens", "reward", "turns", "end_reason"} <= set(r) for r in rows)
+    export = tmp_path / "hf_export"
+    assert json.loads((export / "export.json").read_text())["step"] == 3
+    r = subprocess.run([sys.executable, "launch/generate.py", f"--checkpoint={export}", "--prompt=2+3=",
+                        "--max_new_tokens=4", "--max_seq_len=128", "--num_pages=32"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and "generated" in r.stdout, r.stderr[-2000:]
+    # the same command again: the run is finished, nothing is re-run or overwritten
+    written = (tmp_path / "summary.json").stat().st_mtime_ns
+    proc = _start(tmp_path)
+    out = _finish(proc)
+    assert proc.returncode == 0 and "holds a finished run (3 RL steps" in out, out[-3000:]
+    assert (tmp_path / "summary.json").stat().st_mtime_ns == written
+    # a raised step budget continues it
+    proc = _start(tmp_path, "--config.controller.steps=4")
+    out = _finish(proc)
+    assert proc.returncode == 0 and "continuing the finished run" in out and "resumed from" in out, out[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 4
+    assert json.loads((tmp_path / "summary.3_steps.json").read_text())["step"] == 3
     # the same log directory with another configuration is refused, not silently resumed
     r = subprocess.run([sys.executable, "launch/train.py", f"--config.logdir={tmp_path}", *TINY,
-                        "--config.controller.mode=sync"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        "--config.controller.steps=4", "--config.controller.mode=sync"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "holds a run of another configuration (controller.mode" in r.stderr, r.stderr[-2000:]
 
 

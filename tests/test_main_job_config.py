@@ -202,3 +202,69 @@ def test_a_bad_value_for_a_key_is_one_line_naming_it(tmp_path):
     _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.tasks=calculator,lokup"),
                     "tasks: unknown kind(s) ['lokup']")
 
+
+# ------------------------------------------------------------------ a log directory that holds a run
+
+RUN = ["--config.controller.steps=3", "--config.eval.tasks=4"]
+
+
+def _finished_run(logdir, monkeypatch):
+    """A log directory as a finished run of `RUN` leaves it (the state train.py reads, its outputs)."""
+    from tiderl_jax.run_state import RunState
+
+    monkeypatch.chdir(ROOT)
+    cfg = _parsed(f"--config.logdir={logdir}", *RUN)
+    config_lib.check_main_job(cfg, num_devices=8)
+    heldout = {name: {"task_ids": list("abcd"), "kinds": ["calculator", "lookup"] * 2, "rewards": [1.0, 0, 0, 0],
+                      "turns": [1] * 4, "end_reasons": ["answered"] * 4} for name in ("greedy", "sampled")}
+    outputs = {"summary.json": b'{"steps": 3}', "timeline.png": b"png 1", "learning.png": b"png 2"}
+    for name, data in outputs.items():
+        (logdir / name).write_bytes(data)
+    RunState(str(logdir), cfg.to_dict()).save(heldout_before=heldout, rl_summary={"steps": 3}, heldout_after=heldout,
+                                              finished={"steps": 3, "summary": str(logdir / "summary.json")})
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in logdir.iterdir()}
+
+
+def test_a_finished_run_says_so_and_overwrites_nothing(tmp_path, monkeypatch):
+    files = _finished_run(tmp_path, monkeypatch)
+    for steps in ("3", "2"):  # the same command, or a smaller budget: nothing to do
+        r = _train(f"--config.logdir={tmp_path}", *RUN, f"--config.controller.steps={steps}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"{tmp_path} holds a finished run (3 RL steps" in r.stdout
+        assert "nothing was run or overwritten" in r.stdout
+        assert f"its summary is {tmp_path / 'summary.json'}" in r.stdout and "above 3" in r.stdout
+        assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.iterdir()} == files
+
+
+def test_another_configuration_in_a_run_directory_is_refused_naming_every_key(tmp_path, monkeypatch):
+    files = _finished_run(tmp_path, monkeypatch)
+    r = _train(f"--config.logdir={tmp_path}", *RUN, "--config.controller.mode=sync",
+               "--config.controller.group_size=4", "--config.tasks=lookup", "--config.eval.tasks=8")
+    _one_line_error(r, "holds a run of another configuration (controller.group_size: 8 -> 4, controller.mode: "
+                       "'tiderl' -> 'sync', eval.tasks: 4 -> 8, tasks: ('calculator', 'lookup') -> ('lookup',))")
+    assert "another --config.logdir" in r.stderr and f"deleting {tmp_path}" in r.stderr
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.iterdir()} == files
+
+
+def test_a_raised_step_budget_continues_a_finished_run(tmp_path, monkeypatch):
+    import json
+    import signal
+
+    _finished_run(tmp_path, monkeypatch)
+    proc = subprocess.Popen([sys.executable, "launch/train.py", f"--config.logdir={tmp_path}", *RUN,
+                             "--config.controller.steps=5"], cwd=ROOT, env=dict(os.environ),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:  # it goes on to build the model: stop it there
+        seen.append(line)
+        if "continuing the finished run" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    proc.communicate(timeout=120)
+    out = "".join(seen)
+    assert f"continuing the finished run in {tmp_path} from 3 to 5 RL steps" in out, out[-2000:]
+    assert (tmp_path / "summary.3_steps.json").read_bytes() == b'{"steps": 3}'
+    assert not (tmp_path / "summary.json").exists()
+    state = json.loads((tmp_path / "run_state.json").read_text())
+    assert "finished" not in state and "heldout_after" not in state and "heldout_before" in state
+    assert json.loads((tmp_path / "config.json").read_text())["controller"]["steps"] == 5

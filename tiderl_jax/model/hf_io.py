@@ -345,3 +345,19 @@ def save_hf_checkpoint(model: Decoder, path: str | os.PathLike, *,
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return names
+
+
+def export_policy(graphdef, params, tokenizer, path: str | os.PathLike, *, meta: dict | None = None) -> int:
+    """A policy (`nnx.split` halves: the graph and its weights) as an HF checkpoint with its tokenizer:
+    config.json, safetensors, tokenizer.json (and `export.json` holding `meta`, when given), loadable by
+    `load_hf_checkpoint`, `launch/generate.py --checkpoint=path` and transformers. Returns the bytes written."""
+    path = pathlib.Path(path)
+    names = save_hf_checkpoint(nnx.merge(graphdef, params), path)
+    if jax.process_index() != 0:
+        return 0
+    tokenizer.save(path / "tokenizer.json")
+    written = names + ["config.json", "tokenizer.json"]
+    if meta is not None:
+        (path / "export.json").write_text(json.dumps(meta, indent=1) + "\n")
+        written.append("export.json")
+    return sum(os.path.getsize(path / f) for f in written)

@@ -11,7 +11,9 @@ what the system trains on.
   `samples` responses per task. For binary rewards that is the success rate.
 
 - `heldout_results`: per-task rewards on a pooled held-out set of several kinds (task i is kind
-  i mod K), the unit the main job's before / after comparison pairs (`rl/stats.py`).
+  i mod K), the unit the main job's before / after comparison pairs (`rl/stats.py`);
+  `heldout_trajectories` and `results_of` are its two halves, for a caller that keeps the rollouts.
+- `save_readable`: rollouts as JSONL a person can read (decoded text, turns, reward, end reason).
 
 A fresh `RolloutRunner` per call keeps group ids and metrics per call; the engine (and its compiled
 programs and prefix cache) is shared.
@@ -82,8 +84,46 @@ def heldout_results(engine: Engine, tokenizer: Tokenizer, kinds: Sequence[str], 
     the per-task seeds of `config.seed` otherwise, so two calls with the same config draw the same
     random numbers and a before / after difference is the policy's). Returns
     {"task_ids": [...], "kinds": [...], "rewards": [...], "turns": [...], "end_reasons": [...]}."""
+    return results_of(heldout_trajectories(engine, tokenizer, kinds, num_tasks, config, seed=seed,
+                                           progress=progress))
+
+
+def heldout_trajectories(engine: Engine, tokenizer: Tokenizer, kinds: Sequence[str], num_tasks: int,
+                         config: RolloutConfig, *, seed: int = 0, progress=None) -> list[Trajectory]:
+    """`heldout_results`' rollouts themselves, one per pooled held-out task, in task order."""
     heldout = heldout_tasks(kinds, num_tasks, seed)
-    trajectories = sample_groups(engine, tokenizer, heldout, 1, config, progress=progress)
-    return {"task_ids": [t.task_id for t in heldout], "kinds": [t.kind for t in heldout],
+    return sample_groups(engine, tokenizer, heldout, 1, config, progress=progress)
+
+
+def results_of(trajectories: Sequence[Trajectory]) -> dict:
+    """`heldout_results`' per-task lists from its rollouts."""
+    return {"task_ids": [t.task_id for t in trajectories], "kinds": [t.kind for t in trajectories],
             "rewards": [float(t.reward) for t in trajectories],
             "turns": [len(t.turns) for t in trajectories], "end_reasons": [t.end_reason for t in trajectories]}
+
+
+def readable(traj: Trajectory, tokenizer: Tokenizer) -> dict:
+    """A rollout for a person: the whole text decoded (prompt, the model's turns, tool results), each
+    turn's generated text, the token ids, reward, turns and end reason. Ids past the tokenizer's vocabulary
+    (a model's padded rows) are decoded as nothing."""
+    def text(ids):
+        return tokenizer.decode([i for i in ids if i < tokenizer.vocab_size])
+    return {"task_id": traj.task_id, "kind": traj.kind, "reward": float(traj.reward), "end_reason": traj.end_reason,
+            "failure": traj.failure, "num_turns": len(traj.turns), "text": text(traj.tokens),
+            "turns": [{"text": text(traj.tokens[t.start:t.end]), "tokens": t.end - t.start,
+                       "generate_s": t.generate_s, "env_s": t.env_s, "malformed": t.malformed} for t in traj.turns],
+            "tokens": list(traj.tokens), "model_written": [int(m) for m in traj.loss_mask]}
+
+
+def save_readable(trajectories: Sequence[Trajectory], tokenizer: Tokenizer, path: str) -> str:
+    """Writes `readable` rollouts as JSONL (one per line; a temporary file renamed into place)."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        for t in trajectories:
+            f.write(json.dumps(readable(t, tokenizer)) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,124 @@
+"""The main job's log directory as a run (`tiderl_jax/run_state.py`) and its summary (`tiderl_jax/run_report.py`):
+which config changes a resume refuses, a finished run, the continuation of one, the sample ledger's identity,
+counts beside rates and the two clocks. Pure Python: no model, no JAX."""
+
+import json
+
+import pytest
+
+from tiderl_jax import run_report
+from tiderl_jax.model.config import ConfigError
+from tiderl_jax.run_state import RunState, config_changes, flat, write_config
+
+CONFIG = {"logdir": "runs/a", "seed": 0, "tasks": ("calculator", "lookup"), "checkpoint": "",
+          "controller": {"mode": "tiderl", "steps": 3, "group_size": 8},
+          "eval": {"tasks": 16}, "sft": {"log_every": 25, "steps": 100}}
+
+
+def _config(**changes):
+    """CONFIG with `section={key: value}` merged into a section, or a top-level key replaced."""
+    return {k: {**v, **changes.get(k, {})} if isinstance(v, dict) else changes.get(k, v) for k, v in CONFIG.items()}
+
+
+def test_every_differing_key_is_named_and_the_step_budget_may_change():
+    old = flat(_config())
+    assert config_changes(old, flat(_config(controller={"steps": 9}, sft={"log_every": 1}, logdir="b"))) == []
+    diff = config_changes(old, flat(_config(controller={"mode": "sync", "group_size": 4}, sft={"steps": 5},
+                                            tasks=("lookup",))))
+    assert [k for k, _, _ in diff] == ["controller.group_size", "controller.mode", "sft.steps", "tasks"]
+    # eval.tasks may change until the held-out "before" ran (the "after" pairs with it task for task)
+    changed = flat(_config(eval={"tasks": 32}))
+    assert config_changes(old, changed) == []
+    assert config_changes(old, changed, ["heldout_before"]) == [("eval.tasks", 16, 32)]
+    # a key only one side has (a config file that grew a key) is a difference too
+    assert config_changes(old, {**old, "new_key": 1}) == [("new_key", "(not set)", 1)]
+
+
+def test_a_refused_resume_is_one_line_naming_all_keys_and_how_to_start_fresh(tmp_path):
+    RunState(str(tmp_path), _config()).save(heldout_before={"rewards": [0.0]})
+    state = RunState(str(tmp_path), _config(controller={"mode": "sync", "group_size": 4}, eval={"tasks": 8},
+                                            tasks=("lookup",), checkpoint="ckpt"))
+    with pytest.raises(ConfigError) as e:
+        state.check_same_run()
+    message = str(e.value)
+    assert "\n" not in message
+    for shown in ("controller.mode: 'tiderl' -> 'sync'", "controller.group_size: 8 -> 4",
+                  "tasks: ('calculator', 'lookup') -> ('lookup',)", "checkpoint: '' -> 'ckpt'", "eval.tasks: 16 -> 8"):
+        assert shown in message, message
+    assert "another --config.logdir" in message and f"deleting {tmp_path}" in message
+    RunState(str(tmp_path), _config(controller={"steps": 30})).check_same_run()  # the budget: fine
+
+
+def test_finished_runs_and_their_continuation(tmp_path):
+    state = RunState(str(tmp_path), _config())
+    state.save(heldout_before={}, rl_summary={}, heldout_after={})
+    assert state.finished() is None  # no summary.json yet: the summary phase did not end
+    (tmp_path / "summary.json").write_text('{"steps": 3}')
+    # a run_state.json from before `finished` was kept: its own config's budget is what it reached
+    assert RunState(str(tmp_path), _config()).finished() == {"steps": 3, "summary": str(tmp_path / "summary.json")}
+    state.save(finished={"steps": 3, "summary": str(tmp_path / "summary.json")})
+    state = RunState(str(tmp_path), _config(controller={"steps": 5}))
+    done = state.finished()
+    assert done["steps"] == 3
+    kept = state.continue_finished(done)
+    assert kept == str(tmp_path / "summary.3_steps.json") and json.loads(open(kept).read()) == {"steps": 3}
+    assert not (tmp_path / "summary.json").exists()
+    again = RunState(str(tmp_path), _config(controller={"steps": 5}))
+    assert again.finished() is None and "heldout_after" not in again.data and "heldout_before" in again.data
+    assert again.data["config"]["controller.steps"] == 5
+
+
+def test_the_resolved_config_is_written_readable(tmp_path):
+    path = write_config(str(tmp_path / "new"), _config())
+    written = json.loads(open(path).read())
+    assert written["tasks"] == ["calculator", "lookup"] and written["controller"]["mode"] == "tiderl"
+
+
+def test_the_ledger_identity_names_every_term():
+    ledger = {"admitted": 148, "completed": 135, "dropped:stale": 4, "dropped:env_error": 2,
+              "dropped:error:RuntimeError": 1}
+    acc = run_report.ledger_accounts(ledger, unfinished=10, trained=120, ready=8, waiting=3)
+    assert acc["dropped"] == {"env_error": 2, "error:RuntimeError": 1}  # stale ones completed first
+    assert acc["unexplained"] == 0 and acc["completed_as"]["unexplained"] == 0
+    first, second = run_report.ledger_lines(acc)
+    assert first == ("admitted 148 = completed 135 + dropped 3 (env_error 2, error:RuntimeError 1) + unfinished "
+                     "when RL stopped 10")
+    assert second.startswith("completed 135 = trained 120 + dropped as stale 4 + ready at the end 8")
+    # samples an interruption of RL lost (the update's batch in progress) are a term of their own
+    cut = run_report.ledger_accounts(ledger, unfinished=10, trained=116, ready=8, waiting=3, interrupted=4)
+    assert cut["completed_as"]["unexplained"] == 0
+    assert run_report.ledger_lines(cut)[1].endswith("in groups not yet complete 3 + lost when RL was interrupted 4")
+    # numbers that do not add up are shown, not hidden
+    short = run_report.ledger_accounts(ledger, unfinished=1, trained=120, ready=8, waiting=0)
+    assert short["unexplained"] == 9 and short["completed_as"]["unexplained"] == 3
+    assert "+ unexplained 9" in run_report.ledger_lines(short)[0]
+
+
+def _rl(**extra):
+    return dict(steps=3, step=3, wall_s=40.0, rewards=[0.0, 0.5, 1.0], goodput_tokens_per_s=100.0,
+                goodput_samples_per_s=1.5, step_time_s=2.0, rollout_wait_s=3.0, trainer_wait_s=4.0, kv_hit_rate=0.5,
+                ledger={"admitted": 4, "completed": 4}, ers_refused=2, ers_refusal_last="", moves=1,
+                ers_moves=[dict(step=2, by="ERS", frm="train", to="rollout", reason="rollout deficit")],
+                ledger_accounts=run_report.ledger_accounts({"admitted": 4, "completed": 4}, unfinished=0,
+                                                           trained=4, ready=0, waiting=0), **extra)
+
+
+def test_the_summary_gives_counts_beside_rates_and_names_both_clocks():
+    before = {name: {"kinds": ["calculator", "lookup"] * 8, "rewards": [1.0] * 3 + [0.0] * 13}
+              for name in ("greedy", "sampled")}
+    after = {name: {"kinds": ["calculator", "lookup"] * 8, "rewards": [1.0] * 5 + [0.5] + [0.0] * 10}
+             for name in ("greedy", "sampled")}
+    gains = {"greedy": (0.156, -0.1, 0.4), "sampled": (0.156, -0.1, 0.4)}
+    common = dict(rl=_rl(), before=before, after=after, gains=gains, phases_s={"start": 5.0, "RL": 41.0},
+                  total_s=60.0, compiles=(10, 2.0))
+    rows = dict(run_report.summary_rows(mode="tiderl", batch_samples=4, files={"policy": "p"}, **common))
+    assert rows["held-out greedy"].startswith("3/16 (0.188) -> 5/16 (0.312) tasks solved")
+    assert "calculator 2/8 -> 3/8" in rows["  by kind"]
+    assert rows["RL wall time"].startswith("40s (rl_wall_s") and rows["total wall time"].startswith("60s (total_wall_s")
+    assert "step 2 ERS train -> rollout (rollout deficit)" in rows["moves"] and "2 step boundaries" in rows["moves"]
+    out = run_report.summary_json(devices=8, platform="cpu", files={"policy": "p"}, **common)
+    assert "wall_s" not in out and out["rl_wall_s"] == 40.0 and out["total_wall_s"] == 60.0
+    assert out["heldout_before"]["greedy"] == dict(solved=3, tasks=16, rate=3 / 16, mean_reward=3 / 16)
+    assert out["heldout_after"]["greedy"]["solved"] == 5 and out["heldout_after"]["greedy"]["mean_reward"] == 5.5 / 16
+    assert out["heldout_success_after"]["greedy"] == 5 / 16 and out["ledger"]["unexplained"] == 0
+    json.dumps(out)
