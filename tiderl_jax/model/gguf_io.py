@@ -23,6 +23,7 @@ missing or misshapen tensor) is a `CheckpointError` naming the file and the prob
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -176,7 +177,6 @@ def _with_llama3_scaling(cfg: ModelConfig, factors: np.ndarray, src) -> ModelCon
     factors). Without points in the band, Llama 3.1's published values are tried. The fit must then
     reproduce every factor.
     """
-    import dataclasses
     if factors.shape != (cfg.head_dim // 2,):
         raise CheckpointError(f"{src}: rope_freqs.weight has shape {factors.shape}, expected ({cfg.head_dim // 2},)")
     if np.allclose(factors, 1.0):
