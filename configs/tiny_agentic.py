@@ -44,8 +44,10 @@ def get_config():
     c.sft = ConfigDict({"steps": 1200, "batch_size": 32, "learning_rate": 3e-3, "row_len": 576,
                         "log_every": 25, "target": 0.2, "min_steps": 150, "probe_every": 25, "probe_tasks": 16,
                         "probe_samples": 4})
-    # held-out evaluation before and after RL: `tasks` held-out tasks, the kinds in turn (pooled)
-    c.eval = ConfigDict({"tasks": 128})
+    # held-out evaluation before and after RL: `tasks` held-out tasks, the kinds in turn (pooled), greedy and
+    # sampled; during RL, every `every` updates (0: never), the first `during_tasks` of them, greedy, on the
+    # latest weights (metrics.jsonl's eval_* keys, TensorBoard eval/, reward_curve.png)
+    c.eval = ConfigDict({"tasks": 128, "every": 4, "during_tasks": 32})
     # the trained policy is exported in HF format to logdir/hf_export/ at the end; True also exports it at
     # every RL checkpoint (controller.checkpoint_every), to logdir/hf_export_steps/step_N/
     c.export_every_checkpoint = False

@@ -76,3 +76,25 @@ def test_override_check_names_the_bad_key():
         config_lib.check_overrides(["x", "--config.model.num_layer=2"], tiny)
     with pytest.raises(ConfigError, match="config has no key 'modle'"):
         config_lib.check_overrides(["x", "--config.modle.num_layers", "2"], tiny)
+
+
+def test_the_checkpoints_tokenizer_carries_its_chat_template_and_stop_ids(tmp_path):
+    import json
+    import shutil
+
+    shutil.copy(ROOT / "checkpoints" / "tiny_agentic_sft" / "tokenizer.json", tmp_path / "tokenizer.json")
+    c = config_lib.base_config()
+    with c.unlocked():
+        c.checkpoint = str(tmp_path)
+        c.tokenizer.eos_token = "<|endoftext|>"
+    bare = config_lib.build_tokenizer(c)  # a bare tokenizer.json: the config's eos token
+    assert bare.eos_id == bare.token_id("<|endoftext|>") and bare.chat_template is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|pad|>", "chat_template": "{{ messages }}"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [258, 256]}))
+    tok = config_lib.build_tokenizer(c)
+    assert tok.chat_template == "{{ messages }}" and tok.eos_id == tok.token_id("<|im_end|>") == 258
+    assert tok.stop_ids == (258, 256) and tok.pad_id == tok.token_id("<|pad|>")
+    with c.unlocked():
+        c.checkpoint = ""
+    assert config_lib.build_tokenizer(c).source == "builtin byte tokenizer"

@@ -143,6 +143,9 @@ def test_a_requested_platform_that_is_missing_is_named_with_its_install_line():
     ("engine.page_size", 0, "engine.page_size=0 must be >= 1"),
     ("sft.steps", 0, "sft.steps=0 must be >= 1"),
     ("eval.tasks", -1, "eval.tasks=-1 must be >= 1"),
+    ("eval.every", -1, "eval.every=-1 must be >= 0 (0: no held-out evaluation during RL)"),
+    ("eval.during_tasks", 0, "eval.during_tasks=0 must be >= 1 and <= eval.tasks=128"),
+    ("eval.during_tasks", 129, "eval.during_tasks=129 must be >= 1 and <= eval.tasks=128"),
     ("trainer.row_len", 512, "rollout.max_context=1024 exceeds trainer.row_len=512"),
     ("engine.max_seq_len", 512, "rollout.max_context=1024 exceeds engine.max_seq_len=512"),
     ("model.max_position_embeddings", 256, "exceeds the model's max_position_embeddings=256"),
@@ -199,13 +202,17 @@ def test_a_checkpoint_that_does_not_match_the_model_is_refused_by_name(tmp_path)
 def test_a_bad_value_for_a_key_is_one_line_naming_it(tmp_path):
     _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.controller.steps=ten"),
                     "--config.controller.steps=ten: int expected")
+    _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.eval.tasks=16"),
+                    "eval.during_tasks=32 must be >= 1 and <= eval.tasks=16")
+    assert (config_lib.check_main_job(_config(**{"eval.tasks": 16, "eval.every": 0}), num_devices=8)
+            is None)  # no evaluation during RL: eval.during_tasks is not used
     _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.tasks=calculator,lokup"),
                     "tasks: unknown kind(s) ['lokup']")
 
 
 # ------------------------------------------------------------------ a log directory that holds a run
 
-RUN = ["--config.controller.steps=3", "--config.eval.tasks=4"]
+RUN = ["--config.controller.steps=3", "--config.eval.tasks=4", "--config.eval.during_tasks=2"]
 
 
 def _finished_run(logdir, monkeypatch):

@@ -101,8 +101,6 @@ def check_overrides(argv: list[str], default_path: str, flag: str = "config") ->
     this runs first, before flag parsing, so the user sees which key and what the valid keys at that
     level are.
     """
-    import importlib.util
-
     path = default_path
     overrides = []
     for arg in argv[1:]:
@@ -111,22 +109,10 @@ def check_overrides(argv: list[str], default_path: str, flag: str = "config") ->
         elif arg.startswith(f"--{flag}."):
             key, eq, value = arg[len(flag) + 3:].partition("=")
             overrides.append((key, value if eq else None))
-    import os
-
-    file = path.split(":", 1)[0]
-    if not os.path.isfile(file):
-        raise ConfigError(f"--{flag}={path}: no such config file")
     if not overrides:
+        load_config_file(path, flag, run=False)  # it must exist
         return
-    spec = importlib.util.spec_from_file_location("_config_under_check", file)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"--{flag}={path}: not a Python config file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-        config = module.get_config()
-    except Exception as e:  # noqa: BLE001 - the user's config file: name it, no traceback
-        raise ConfigError(f"--{flag}={path}: loading it failed: {type(e).__name__}: {e}") from None
+    config = load_config_file(path, flag)
     parsers = _value_parsers()
     for key, value in overrides:
         node, walked = config, []
@@ -143,6 +129,29 @@ def check_overrides(argv: list[str], default_path: str, flag: str = "config") ->
                 parser.parse(value)
             except ValueError as e:
                 raise ConfigError(f"--{flag}.{key}={value}: {type(node).__name__} expected ({e})") from None
+
+
+def load_config_file(path: str, flag: str = "config", *, run: bool = True) -> ConfigDict | None:
+    """The ConfigDict a config file's `get_config()` returns, before any override (`path` as `--config=`
+    takes it: `file.py` or `file.py:arg`); with `run=False` only checks the file exists. ConfigError naming
+    `--{flag}=path` when it does not, or when loading it fails."""
+    import importlib.util
+    import os
+
+    file, colon, arg = path.partition(":")
+    if not os.path.isfile(file):
+        raise ConfigError(f"--{flag}={path}: no such config file")
+    if not run:
+        return None
+    spec = importlib.util.spec_from_file_location("_config_under_check", file)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"--{flag}={path}: not a Python config file")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        return module.get_config(arg) if colon else module.get_config()
+    except Exception as e:  # noqa: BLE001 - the user's config file: name it, no traceback
+        raise ConfigError(f"--{flag}={path}: loading it failed: {type(e).__name__}: {e}") from None
 
 
 def define_config_flag(default_path: str, flag: str = "config", *, flag_values=None, argv=None):
@@ -301,6 +310,13 @@ def check_main_job(c: ConfigDict, num_devices: int | None = None) -> None:
         for key in keys:
             if key in c[section] and not c[section][key] >= 1:
                 raise ConfigError(f"{section}.{key}={c[section][key]} must be >= 1")
+    evaluation = c.eval
+    if evaluation.get("every", 0) < 0:
+        raise ConfigError(f"eval.every={evaluation.every} must be >= 0 (0: no held-out evaluation during RL)")
+    if evaluation.get("every", 0) and not 1 <= evaluation.get("during_tasks", 1) <= evaluation.tasks:
+        raise ConfigError(f"eval.during_tasks={evaluation.during_tasks} must be >= 1 and <= eval.tasks="
+                          f"{evaluation.tasks} (the evaluation during RL takes the first of the held-out tasks); "
+                          f"set eval.during_tasks, or eval.every=0 for none during RL")
     warm = c.get("warm_start", "scratch")
     if warm not in WARM_STARTS:
         raise ConfigError(f"warm_start={warm!r} is not one of {WARM_STARTS}")
@@ -403,16 +419,22 @@ def apply_platform_settings(c: ConfigDict) -> str:
 
 
 def build_tokenizer(cfg):
-    """The tokenizer of a config: `tokenizer.path`, else the checkpoint's tokenizer.json, else the
-    built-in byte tokenizer. ConfigError on a missing or malformed file."""
+    """The tokenizer of a config: `tokenizer.path` (with `tokenizer.eos_token`), else the checkpoint's
+    (`Tokenizer.from_checkpoint` when it has a tokenizer_config.json: its special tokens and chat template,
+    and the stop ids of its generation_config.json; a bare tokenizer.json with `tokenizer.eos_token`), else
+    the built-in byte tokenizer. ConfigError on a missing or malformed file."""
     import os
 
     from tiderl_jax.model.tokenizer import Tokenizer
 
     path = cfg.tokenizer.path
-    if not path and cfg.checkpoint and os.path.exists(os.path.join(cfg.checkpoint, "tokenizer.json")):
-        path = os.path.join(cfg.checkpoint, "tokenizer.json")  # the checkpoint's own
-    return Tokenizer.from_file(path, eos_token=cfg.tokenizer.eos_token) if path else Tokenizer.builtin()
+    if path:
+        return Tokenizer.from_file(path, eos_token=cfg.tokenizer.eos_token)
+    if cfg.checkpoint and os.path.exists(os.path.join(cfg.checkpoint, "tokenizer.json")):
+        if os.path.exists(os.path.join(cfg.checkpoint, "tokenizer_config.json")):
+            return Tokenizer.from_checkpoint(cfg.checkpoint)  # with its template, special tokens and stop ids
+        return Tokenizer.from_file(os.path.join(cfg.checkpoint, "tokenizer.json"), eos_token=cfg.tokenizer.eos_token)
+    return Tokenizer.builtin()
 
 
 def build(cfg):
