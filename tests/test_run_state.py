@@ -49,6 +49,29 @@ def test_a_refused_resume_is_one_line_naming_all_keys_and_how_to_start_fresh(tmp
     RunState(str(tmp_path), _config(controller={"steps": 30})).check_same_run()  # the budget: fine
 
 
+def test_the_evaluation_during_rl_may_change_on_resume():
+    old = flat(_config(eval={"tasks": 16, "every": 4, "during_tasks": 8}))
+    new = flat(_config(eval={"tasks": 16, "every": 1, "during_tasks": 4}))
+    assert config_changes(old, new, ["heldout_before"]) == []
+
+
+def test_a_run_from_before_a_key_existed_resumes_while_the_key_has_its_default(tmp_path):
+    old_run = _config()  # no eval.every, eval.during_tasks, trainer.new_knob: made before they existed
+    RunState(str(tmp_path), old_run).save(heldout_before={"rewards": [0.0]})
+    defaults = _config(eval={"tasks": 16, "every": 4, "during_tasks": 32}, controller={"new_knob": 1})
+    RunState(str(tmp_path), defaults, defaults).check_same_run()
+    # a new key set to something else than its default is a difference (unless resumable, as eval.* is)
+    changed = _config(eval={"tasks": 16, "every": 2, "during_tasks": 32}, controller={"new_knob": 2})
+    with pytest.raises(ConfigError, match=r"\(controller.new_knob: \(not set\) -> 2\);"):
+        RunState(str(tmp_path), changed, defaults).check_same_run()
+    # without the defaults (an entry point that gives none) a key the old run lacks is a difference
+    with pytest.raises(ConfigError, match="controller.new_knob"):
+        RunState(str(tmp_path), defaults).check_same_run()
+    # a key the new config lost is a difference, whatever the defaults
+    assert config_changes(flat(defaults), flat(old_run), (), flat(defaults)) == [
+        ("controller.new_knob", 1, "(not set)")]
+
+
 def test_finished_runs_and_their_continuation(tmp_path):
     state = RunState(str(tmp_path), _config())
     state.save(heldout_before={}, rl_summary={}, heldout_after={})
@@ -122,3 +145,38 @@ def test_the_summary_gives_counts_beside_rates_and_names_both_clocks():
     assert out["heldout_after"]["greedy"]["solved"] == 5 and out["heldout_after"]["greedy"]["mean_reward"] == 5.5 / 16
     assert out["heldout_success_after"]["greedy"] == 5 / 16 and out["ledger"]["unexplained"] == 0
     json.dumps(out)
+
+
+def test_the_phases_are_drawn_on_the_run_metrics_clock(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    from tiderl_jax.runtime.metrics import RunMetrics
+
+    now = [0.0]
+    phases = run_report.Phases(clock=lambda: now[0])
+    for t, name in ((10.0, "warm start"), (15.0, "RL"), (25.0, "held-out after")):
+        now[0] = t
+        phases.enter(name)
+    assert phases.spans == [("start", 0.0, 10.0), ("warm start", 10.0, 15.0), ("RL", 15.0, 25.0)]
+    assert phases.seconds == {"start": 10.0, "warm start": 5.0, "RL": 10.0}
+    metrics_clock = lambda: now[0] + 1000.0  # noqa: E731 - another clock: 1000 s ahead of the phases'
+    on_metrics = phases.spans_on(metrics_clock)
+    assert on_metrics == [("start", 1000.0, 1010.0), ("warm start", 1010.0, 1015.0), ("RL", 1015.0, 1025.0)]
+    now[0] = 15.0  # the RL phase began: the run metrics' clock starts
+    metrics = RunMetrics(str(tmp_path), total_steps=1, devices={"rollout": 1}, clock=metrics_clock)
+    metrics.begin()
+    now[0] = 16.0
+    with metrics.span("rollout", "generate"):
+        now[0] = 20.0
+    bars = []
+    draw = Axes.broken_barh
+
+    def record(ax, xranges, *args, **kwargs):
+        bars.append(xranges)
+        return draw(ax, xranges, *args, **kwargs)
+    monkeypatch.setattr(Axes, "broken_barh", record)
+    path = metrics.plot_timeline(str(tmp_path / "timeline.png"), mode="tiderl", phases=on_metrics)
+    metrics.close()
+    assert (tmp_path / "timeline.png").stat().st_size > 1000 and path.endswith("timeline.png")
+    # seconds since the invocation began: the RL lane's span at 16-20, the phases where they were
+    assert bars == [[(16.0, 4.0)], [(0.0, 10.0)], [(10.0, 5.0)], [(15.0, 10.0)]]

@@ -1,4 +1,5 @@
-"""The main job's summary: the printed table and `summary.json`, from numbers alone (JAX-free).
+"""The main job's summary: the printed table and `summary.json`, from numbers alone (JAX-free); the
+invocation's phases (`Phases`: seconds per phase, and their spans for the timeline).
 
 - Held-out results as counts beside rates (`3/16 (0.188) -> 5/16 (0.312)`): a task counts as solved
   when its reward is 1 (the `python` task's partial rewards are in the mean reward, shown beside).
@@ -16,6 +17,32 @@
 """
 
 from __future__ import annotations
+
+import time
+
+
+class Phases:
+    """The phases of one invocation of the main job: wall seconds per phase name (summary.json's `phases_s`)
+    and each phase's span `(name, start, end)` in `clock` seconds, in order (a name entered twice has two)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.seconds: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []
+        self.current = "start"
+        self._t = clock()
+
+    def enter(self, name: str) -> None:
+        now = self.clock()
+        self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self._t
+        self.spans.append((self.current, self._t, now))
+        self.current, self._t = name, now
+
+    def spans_on(self, clock) -> list[tuple[str, float, float]]:
+        """`spans` in another clock's seconds (`RunMetrics.plot_timeline`'s `phases` are in the run metrics'
+        `clock`): shifted by the two clocks' difference, read now."""
+        offset = clock() - self.clock()
+        return [(name, start + offset, end + offset) for name, start, end in self.spans]
 
 
 def solved(rewards) -> tuple[int, int]:

@@ -10,6 +10,9 @@ Rules (`launch/train.py` applies them before it builds a model):
   differing key (old -> new) and how to start a fresh run; the keys in `RESUMABLE_CHANGES` may change
   (the step budget, how much to evaluate, logging and export), except `eval.tasks` once the held-out
   "before" ran (the "after" must pair with it, task for task);
+- a key the run's saved config lacks (the run directory was made before the key existed) is no difference
+  while it has its default (the config file's value, `defaults`); set to another value it is one (unless
+  it is in `RESUMABLE_CHANGES`);
 - a finished run whose step budget is not raised is reported finished, nothing re-run or overwritten;
 - raising `controller.steps` continues a finished run: its summary is kept as `summary.<steps>_steps.json`
   and the new one replaces it at the end.
@@ -47,11 +50,15 @@ def _show(v) -> str:
     return repr(v)
 
 
-def config_changes(old: dict, new: dict, phases_done=()) -> list[tuple[str, object, object]]:
-    """(key, old, new) for every key of the flattened configs that differs and may not (module docstring)."""
+def config_changes(old: dict, new: dict, phases_done=(), defaults: dict | None = None) -> list[tuple[str, object, object]]:
+    """(key, old, new) for every key of the flattened configs that differs and may not (module docstring).
+    `defaults`: the flattened config file's own values; a key the old run's config lacks (it was written
+    before the key existed) counts as unchanged when its new value is the default."""
+    defaults = defaults or {}
     keys = sorted(set(old) | set(new))
     return [(k, old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in keys
             if old.get(k, _ABSENT) != new.get(k, _ABSENT) and k != "logdir"
+            and not (k not in old and k in new and k in defaults and new[k] == defaults[k])
             and (not k.startswith(RESUMABLE_CHANGES) or FIXED_AFTER.get(k) in phases_done)]
 
 
@@ -70,10 +77,11 @@ def write_config(logdir: str, config: dict) -> str:
 class RunState:
     """`run_state.json` in the log directory: the run's config and what its finished phases produced."""
 
-    def __init__(self, logdir: str, config: dict):
+    def __init__(self, logdir: str, config: dict, defaults: dict | None = None):
         self.logdir = logdir
         self.path = os.path.join(logdir, "run_state.json")
         self.config = flat(config)
+        self.defaults = flat(defaults or {})  # the config file's own values (`config_changes`)
         self.data = {}
         if os.path.exists(self.path):
             try:
@@ -88,7 +96,7 @@ class RunState:
         old = self.data.get("config")
         if old is None:
             return
-        diff = config_changes(old, self.config, [p for p in FIXED_AFTER.values() if p in self.data])
+        diff = config_changes(old, self.config, [p for p in FIXED_AFTER.values() if p in self.data], self.defaults)
         if diff:
             shown = ", ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in diff)
             raise ConfigError(f"{self.logdir} holds a run of another configuration ({shown}); resume it with "
