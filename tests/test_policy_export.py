@@ -25,12 +25,20 @@ POLICY = ROOT / "checkpoints" / "tiny_agentic_sft"
 def test_the_exported_policy_is_the_trained_weights_and_generate_runs_on_it(tmp_path):
     model = load_hf_checkpoint(POLICY, mesh=make_mesh({"data": 1, "fsdp": -1, "tensor": 2}))
     graphdef, params = nnx.split(model)
-    tokenizer = Tokenizer.from_file(POLICY / "tokenizer.json")
+    plain = Tokenizer.from_file(POLICY / "tokenizer.json")
+    template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    tokenizer = Tokenizer(plain._tok, eos_token="<|im_end|>", pad_token="<|pad|>", stop_tokens=("<|endoftext|>",),
+                          chat_template=template)
     out = tmp_path / "hf_export"
     size = export_policy(graphdef, params, tokenizer, out, meta={"step": 7})
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json", "export.json"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json", "export.json",
+                                               "tokenizer_config.json", "generation_config.json"}
     assert size == sum(p.stat().st_size for p in out.iterdir())
     assert json.loads((out / "export.json").read_text()) == {"step": 7}
+    # the tokenizer comes back as it went: its chat template, special tokens and stop ids
+    loaded = Tokenizer.from_checkpoint(out)
+    assert loaded.chat_template == template and loaded.pad_id == tokenizer.pad_id
+    assert loaded.stop_ids == tokenizer.stop_ids == (plain.eos_id, plain.token_id("<|endoftext|>"))
     original = safetensors.numpy.load_file(str(POLICY / "model.safetensors"))
     exported = safetensors.numpy.load_file(str(out / "model.safetensors"))
     assert set(original) == set(exported)

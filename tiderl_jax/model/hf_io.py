@@ -349,15 +349,16 @@ def save_hf_checkpoint(model: Decoder, path: str | os.PathLike, *,
 
 def export_policy(graphdef, params, tokenizer, path: str | os.PathLike, *, meta: dict | None = None) -> int:
     """A policy (`nnx.split` halves: the graph and its weights) as an HF checkpoint with its tokenizer:
-    config.json, safetensors, tokenizer.json (and `export.json` holding `meta`, when given), loadable by
-    `load_hf_checkpoint`, `launch/generate.py --checkpoint=path` and transformers. Returns the bytes written."""
+    config.json, safetensors, tokenizer.json, tokenizer_config.json (special tokens, chat template) and
+    generation_config.json (stop ids) as `gguf_io.export_hf` writes them (and `export.json` holding `meta`,
+    when given), loadable by `load_hf_checkpoint`, `Tokenizer.from_checkpoint`, `launch/generate.py
+    --checkpoint=path` and transformers. Returns the bytes of the files in `path`."""
+    from tiderl_jax.model.gguf_io import export_hf  # it imports this module
+
     path = pathlib.Path(path)
-    names = save_hf_checkpoint(nnx.merge(graphdef, params), path)
+    export_hf(nnx.merge(graphdef, params), tokenizer, path)
     if jax.process_index() != 0:
         return 0
-    tokenizer.save(path / "tokenizer.json")
-    written = names + ["config.json", "tokenizer.json"]
     if meta is not None:
         (path / "export.json").write_text(json.dumps(meta, indent=1) + "\n")
-        written.append("export.json")
-    return sum(os.path.getsize(path / f) for f in written)
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
