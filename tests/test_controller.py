@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tiderl_jax.agents import tasks as task_lib
+from tiderl_jax.runtime import controller as controller_lib
 from tiderl_jax.agents.env import LatencyModel, StepResult
 from tiderl_jax.agents.rollout import RolloutConfig
 from tiderl_jax.engine.engine import EngineConfig
@@ -163,6 +164,14 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     summary = asyncio.run(resumed.run())
     assert summary["steps"] == 4 and resumed.engine.version == 4
+    # stopped while an update was being assembled, and before a resume had admitted its in-flight groups again:
+    # the update's groups go back to the front of the buffer, the groups not yet admitted stay in flight
+    task = task_lib.make_task("calculator", 0, "train", 0)
+    resumed.taking = [controller_lib._Group(100, task)]
+    resumed.resume_groups = [controller_lib._Group(101, task, dropped=[1])]
+    meta = resumed.checkpoint_meta()
+    assert [g["gid"] for g in meta["ready"]] == [100] + [g.gid for g in resumed.ready]
+    assert meta["in_flight"][-1]["gid"] == 101 and meta["in_flight"][-1]["dropped"] == [1]
 
 
 def test_bad_controller_configs_are_named():

@@ -266,6 +266,7 @@ def test_a_move_must_pay_for_itself():
     assert move == Move("rollout", "train", "decoupled", "consumption deficit", 20.0, 5.0)
     move, history = decide(_ers(**BACKLOG), ERSHistory(), ONE_STEP, _econ(move_cost_s=25.0))
     assert move is None and "does not pay" in history.refused and history.consumption_streak == 1
+    assert history.refused_kind == "does not pay" and history.refused_kind in ers.REFUSALS
     move, _ = decide(_ers(**BACKLOG), ERSHistory(), ONE_STEP, _econ(horizon_steps=2))
     assert move is None  # 4 s of gain left in the run
 
@@ -278,7 +279,7 @@ def test_a_gain_within_the_noise_of_a_step_does_not_move():
     assert decide(slow, history, ONE_STEP, _econ())[0] is not None
     high = dataclasses.replace(ONE_STEP, min_gain_fraction=0.1)
     move, history = decide(slow, history, high, _econ(horizon_steps=1000))
-    assert move is None and "within the noise" in history.refused
+    assert move is None and "within the noise" in history.refused and history.refused_kind == "within noise"
     with pytest.raises(ValueError, match="min_gain_fraction"):
         ers.ERSConfig(min_gain_fraction=-0.1)
 
@@ -470,7 +471,7 @@ def test_with_economics_the_best_allowed_move_wins():
     # moves back toward the side the last move took from wait out the cooldown, whichever role they use
     config = ERSConfig(patience=1, cooldown=2)
     move, history = decide(_ers(**STARVED), ERSHistory(last_move_to="rollout"), config, e)
-    assert move is None and "cooldown" in history.refused
+    assert move is None and "cooldown" in history.refused and history.refused_kind == "cooldown"
     # no allowed move pays: refused with the best one named
     move, history = decide(_ers(**STARVED), ERSHistory(), ONE_STEP, dataclasses.replace(e, move_cost_s=1e6))
     assert move is None and "best move (rollout -> train)" in history.refused

@@ -172,6 +172,7 @@ class ERSHistory:
     last_move_to: str | None = None  # role the last move went to (None: no move yet)
     boundaries_since_move: int = 0
     refused: str = ""  # why this boundary's wanted move did not happen ("" if none was wanted)
+    refused_kind: str = ""  # and the kind of reason, one of REFUSALS ("" if none)
     # with economics: each move's predicted gain per step, averaged since the last move (`gain_weight`)
     gains: tuple[tuple[tuple[str, str], float], ...] = ()
 
@@ -186,6 +187,8 @@ class Move:
     cost_s: float | None = None  # predicted cost of the move (with economics)
 
 
+# the kinds of reason a wanted move is refused (ERSHistory.refused_kind)
+REFUSALS = ("at minimum", "cooldown", "within noise", "does not pay")
 # every move of one group ERS weighs with economics, (from_role, to_role)
 MOVES = ((REF, ROLLOUT), (TRAIN, ROLLOUT), (REF, TRAIN), (ROLLOUT, TRAIN))
 
@@ -332,29 +335,34 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig 
         moves = ((REF, ROLLOUT), (REF, TRAIN)) if reason == "idle ref group" else MOVES
         candidates = [(frm, to) for frm, to in moves if groups[frm] > minimum[frm]]
         if not candidates:
-            return None, dataclasses.replace(history, refused=f"{reason}: every role at its minimum")
+            return None, dataclasses.replace(history, refused=f"{reason}: every role at its minimum",
+                                                  refused_kind="at minimum")
         gains = {mv: averaged[mv] for mv in candidates}
         # the best by what it saves over the steps left net of its own cost (first listed on ties)
         (from_role, to_role), best = max(gains.items(), key=lambda kv: (
             kv[1] * economics.horizon_steps - economics.cost(*kv[0]) if kv[1] > -float("inf") else -float("inf")))
         if reversal(from_role, to_role):  # the best move is held: no second-best move instead
             return None, dataclasses.replace(
-                history, refused=f"{reason}: the best move ({from_role} -> {to_role}) reverses the last one "
-                                 f"within the cooldown")
+                history, refused_kind="cooldown",
+                refused=f"{reason}: the best move ({from_role} -> {to_role}) reverses the last one within the cooldown")
         gain, cost = best * economics.horizon_steps, economics.cost(from_role, to_role)
         if best < config.min_gain_fraction * s.step_time_s:
             return None, dataclasses.replace(
-                history, refused=f"{reason}: the best move ({from_role} -> {to_role}) saves {best:.2f}s per step, "
+                history, refused_kind="within noise",
+                refused=f"{reason}: the best move ({from_role} -> {to_role}) saves {best:.2f}s per step, "
                                  f"within the noise ({config.min_gain_fraction:.0%} of the {s.step_time_s:.2f}s step)")
         if not gain > cost:
             return None, dataclasses.replace(
-                history, refused=f"{reason}: the best move ({from_role} -> {to_role}) predicts {gain:.2f}s over "
+                history, refused_kind="does not pay",
+                refused=f"{reason}: the best move ({from_role} -> {to_role}) predicts {gain:.2f}s over "
                                  f"{economics.horizon_steps} steps, which does not pay the move's {cost:.2f}s")
     else:
         if groups[from_role] <= minimum[from_role]:
-            return None, dataclasses.replace(history, refused=f"{reason}: {from_role} at its minimum")
+            return None, dataclasses.replace(history, refused=f"{reason}: {from_role} at its minimum",
+                                       refused_kind="at minimum")
         if reversal(from_role, to_role):
-            return None, dataclasses.replace(history, refused=f"{reason}: reverse move within the cooldown")
+            return None, dataclasses.replace(history, refused=f"{reason}: reverse move within the cooldown",
+                                       refused_kind="cooldown")
     mode = RA2P_MODE_AFTER_MOVE_TO[to_role]
     if from_role == REF and s.ref_groups == 1:  # the last ref group: the ref pass runs on the train devices
         mode = RA2P_MODE_AFTER_MOVE_TO[ROLLOUT]

@@ -52,8 +52,9 @@ from tiderl_jax.agents import tasks as task_lib
 from tiderl_jax.agents.env import LatencyModel, Task
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
-from tiderl_jax.policies import bidirl, ers, ra2p, staleness
+from tiderl_jax.policies import ers, ra2p, staleness
 from tiderl_jax.runtime import health
+from tiderl_jax.runtime.borrowing import Borrowing
 from tiderl_jax.runtime.controller_config import MODES, ControllerConfig  # noqa: F401 (re-exported)
 from tiderl_jax.runtime.metrics import RunMetrics
 from tiderl_jax.runtime.pool import Backend, DevicePool, split_devices
@@ -88,7 +89,7 @@ class _Group:
     ref_job: asyncio.Future | None = None  # decoupled ref scoring in flight
 
 
-class Controller:
+class Controller(Borrowing):
     """One RL loop for the three modes. Give it a model and tokenizer (it builds the `JaxBackend`:
     engine, trainer and reference scorer on device meshes), or any `backend` (e.g. the simulator's)."""
 
@@ -152,6 +153,7 @@ class Controller:
         # dropped with its reason (`dropped:<reason>`); `dropped:stale` ones were completed first
         self.ledger: collections.Counter = collections.Counter()
         self.consumed: list[list[int]] = []  # [group, sample] of every trained sample, in order
+        self.taking: list[_Group] = []  # the groups of the update being assembled or trained (a checkpoint keeps them)
         self.ready: collections.deque[_Group] = collections.deque()
         self.in_flight: dict[int, _Group] = {}
         self.resume_groups: list[_Group] = []  # in-flight groups of a checkpoint, to complete
@@ -161,6 +163,7 @@ class Controller:
         self.ers_history = ers.ERSHistory()
         self.moves: list[dict] = []
         self.ers_refused = 0  # boundaries where a deficit wanted a move that did not happen
+        self.ers_refusals = collections.Counter()  # and why, by kind (ers.REFUSALS)
         self._timings = dict(t_act=None, t_ref_col=None, t_ref_dec=None, tprm=None, train_busy=0.0)
         self._rollout_busy_mark = 0.0  # the rollout lane's busy seconds at the last step boundary
         self._ref_busy_mark = 0.0  # and the ref lane's
@@ -375,7 +378,7 @@ class Controller:
         t0 = self.clock()
         ras = min(len(self.ready), self.cfg.groups_per_step)
         hol = t0 - self.ready[0].arrived if self.ready else 0.0
-        arrivals, batch = [], []
+        arrivals, batch = [], self.taking
         if len(self.ready) > 1:  # the groups closest to the staleness bound go first
             versions = [min((t.oldest_version() for t in g.trajectories), default=-1) for g in self.ready]
             self.ready = collections.deque(self.ready[i] for i in staleness.consumption_order(versions))
@@ -451,75 +454,6 @@ class Controller:
             if out["time_ref_s"] > 0:  # the ref ran here (colocated)
                 self._timings["t_ref_col"] = out["time_ref_s"] / m
         return out, trajs
-
-    # ------------------------------------------------------------------ BiDiRL borrowing
-
-    def _arrival_rate(self, since: float = -math.inf) -> float | None:
-        """Fresh samples per second over the recent ready groups (arrived after `since`)."""
-        pts = [(t, n) for t, n in self._arrivals if t > since]
-        if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
-            return None
-        return sum(n for _, n in pts[1:]) / (pts[-1][0] - pts[0][0])
-
-    async def _borrow(self, signals: bidirl.BorrowSignals):
-        """Asks `bidirl.decide_borrow`; on yes, the backend switches the devices over. Returns what
-        `_return_borrowed` needs, or None."""
-        d = bidirl.decide_borrow(signals)
-        if not d.borrow:
-            self.borrows_refused += 1
-            log.debug("BiDiRL: %s does not borrow (%s; remaining %.2fs)", d.borrower, d.reason, signals.remaining_s)
-            return None
-        t0 = self.clock()
-        await self.backend.lend(d.lender, d.borrower, d.devices)
-        record = dict(step=self.step, borrower=d.borrower, devices=d.devices, predicted_gain_s=d.gain_s,
-                      predicted_cost_s=d.cost_s, remaining_s=signals.remaining_s, start=t0,
-                      switch_in_s=self.clock() - t0, rate_before=self._arrival_rate())
-        log.info("BiDiRL: %s borrows %d %s device(s) (%s)", d.borrower, d.devices, d.lender, d.reason)
-        return record
-
-    async def _return_borrowed(self, record: dict) -> None:
-        t0 = self.clock()
-        await self.backend.take_back()
-        record.update(switch_out_s=self.clock() - t0, held_s=t0 - record["start"])
-        if record["borrower"] == bidirl.ROLLOUT:  # measure what the borrowed devices added
-            during, before = self._arrival_rate(since=record["start"] + record["switch_in_s"]), record["rate_before"]
-            if during is not None and before:
-                self.bidirl_scaling = bidirl.measured_scaling(before, during, len(self.pool.devices_of("rollout")),
-                                                              record["devices"])
-                record["measured_scaling"] = self.bidirl_scaling
-        self.borrows.append(record)
-
-    async def _rollout_borrow(self, batch: list):
-        """The trainer is about to wait for data: the rollout may borrow the train devices until the
-        batch is ready (the predicted wait: samples missing / recent arrival rate)."""
-        have = sum(len(g.trajectories) for g in list(self.ready) + batch)
-        missing = self.cfg.batch_samples - have
-        rate = self._arrival_rate()
-        if missing <= 0 or not rate or self.pool is None:
-            return None
-        costs = self.backend.switch_costs(bidirl.TRAIN, bidirl.ROLLOUT)
-        remaining = missing / rate
-        return await self._borrow(bidirl.BorrowSignals(
-            borrower=bidirl.ROLLOUT, remaining_s=remaining, own_devices=len(self.pool.devices_of("rollout")),
-            idle_devices=len(self.pool.devices_of("train")), idle_for_s=remaining,
-            switch_in_s=costs["switch_in_s"], switch_out_s=costs["switch_out_s"],
-            borrower_unit=self.backend.borrow_unit(bidirl.ROLLOUT), scaling=self.bidirl_scaling))
-
-    async def _train_borrow(self):
-        """The trainer may borrow rollout devices that have no task while admission is blocked by the
-        staleness bound (they stay idle until this step's version is published)."""
-        remaining = self._timings.get("train_own", 0.0)
-        if not self._producer_blocked or remaining <= 0 or self.pool is None:
-            return None
-        idle = self.backend.idle_devices(bidirl.ROLLOUT)
-        if idle <= 0:
-            return None
-        costs = self.backend.switch_costs(bidirl.ROLLOUT, bidirl.TRAIN)
-        return await self._borrow(bidirl.BorrowSignals(
-            borrower=bidirl.TRAIN, remaining_s=remaining, own_devices=len(self.pool.devices_of("train")),
-            idle_devices=idle, idle_for_s=math.inf, switch_in_s=costs["switch_in_s"],
-            switch_out_s=costs["switch_out_s"], merge_s=costs["merge_s"],
-            borrower_unit=self.backend.borrow_unit(bidirl.TRAIN), scaling=1.0))
 
     async def _publish(self, version: int):
         """Sends the new weights to the rollout. A failed sync leaves the rollout on its previous
@@ -610,6 +544,7 @@ class Controller:
                                             economics if self.cfg.ers_economics else None)
         if self.ers_history.refused:
             self.ers_refused += 1
+            self.ers_refusals[self.ers_history.refused_kind] += 1
             log.info("ERS: no move (%s)", self.ers_history.refused)
         if move is None:
             return
@@ -684,17 +619,23 @@ class Controller:
     def save(self, wait: bool = False) -> None:
         if self.checkpointer is None:
             return
-        meta = dict(step=self.step, version=self.version, cursor=self.cursor, consumed=self.consumed,
-                    ready=[dict(gid=g.gid, task=dataclasses.asdict(g.task),
-                                trajectories=[t.to_dict() for t in g.trajectories]) for g in self.ready],
-                    in_flight=[dict(gid=g.gid, task=dataclasses.asdict(g.task), dropped=list(g.dropped),
-                                    trajectories=[t.to_dict() for t in g.trajectories])
-                               for g in self.in_flight.values()],
-                    # samples still running are admitted again on resume: the ledger forgets them
-                    ledger=dict(self.ledger, admitted=self.ledger["admitted"] - self.unfinished()))
-        self.checkpointer.save(self.step, self.backend.arrays(), meta)
+        self.checkpointer.save(self.step, self.backend.arrays(), self.checkpoint_meta())
         if wait:
             self.checkpointer.wait()
+
+    def checkpoint_meta(self) -> dict:
+        """What a checkpoint keeps beside the arrays: the step, version, data cursor, trained samples, the ready
+        buffer and the groups in flight, and the ledger."""
+        return dict(step=self.step, version=self.version, cursor=self.cursor, consumed=self.consumed,
+                    # the update being assembled when the run stopped goes back to the front of the buffer, and
+                    # groups a resume has not admitted again yet stay in flight: no finished sample is lost
+                    ready=[dict(gid=g.gid, task=dataclasses.asdict(g.task),
+                                trajectories=[t.to_dict() for t in g.trajectories]) for g in [*self.taking, *self.ready]],
+                    in_flight=[dict(gid=g.gid, task=dataclasses.asdict(g.task), dropped=list(g.dropped),
+                                    trajectories=[t.to_dict() for t in g.trajectories])
+                               for g in [*self.in_flight.values(), *self.resume_groups]],
+                    # samples still running are admitted again on resume: the ledger forgets them
+                    ledger=dict(self.ledger, admitted=self.ledger["admitted"] - self.unfinished()))
 
     def restore(self) -> bool:
         """Resumes from the latest checkpoint in the log directory; False if there is none."""
@@ -741,6 +682,7 @@ class Controller:
                 batch, waited, ras, hol = await self._take_batch()
                 out, trajs = await self._train_step(batch)
                 self.step += 1
+                self.taking, self.consumed = [], self.consumed + [[t.group, t.info.get("sample")] for t in trajs]
                 now = self.clock()
                 step_time, last = now - last, now
                 await self._ers_boundary(waited, step_time, ras, hol, int(out.get("tokens", 0)))
@@ -751,7 +693,6 @@ class Controller:
                 lags = health.version_lags(trajs, self.version - 1)
                 stats = self.health.update(self.step, trajs, out, lags)  # warns when the run is not learning
                 self.metrics.consume(int(out.get("tokens", 0)), len(trajs), lags, stats["reward"])
-                self.consumed += [[t.group, t.info.get("sample")] for t in trajs]
                 evals = await self.metrics.run_hook(on_step, self.step)  # e.g. a held-out evaluation, whose
                 last += self.metrics.phases[-1][2] - self.metrics.phases[-1][1] if evals else 0.0  # time ERS ignores
                 self.metrics.log_step(self.step, dict(
@@ -780,6 +721,7 @@ class Controller:
         s = self.metrics.summary()
         s.update(mode=self.cfg.mode, kv_hit_rate=self.backend.kv_hit_rate(), not_learning=len(self.health.warnings),
                  discarded=self.discarded, moves=len(self.moves), ers_refused=self.ers_refused,
+                 ers_refusals=dict(self.ers_refusals),
                  borrows=len(self.borrows), borrows_refused=self.borrows_refused,
                  syncs_failed=self.syncs_failed, ledger=dict(self.ledger),
                  admission_held_s=self._held_by_staleness_s + (self.clock() - self._held_since
