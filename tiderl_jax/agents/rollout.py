@@ -38,7 +38,8 @@ A first prompt that leaves no room for one turn (its tokens plus `max_new_tokens
 is not a truncation but a configuration that cannot work for that task: it fails with
 `prompt_too_long`, the sizes stated, and a warning names the task.
 Failures: an environment exception or timeout ends the task (`env_error` / `env_timeout`, reward 0,
-the reason recorded); a refused engine request ends it with `engine_error`. Other tasks go on.
+the reason recorded; a dataset task's reward function that raises or times out: `reward_error` /
+`reward_timeout`, `data/rewards.py`); a refused engine request ends it with `engine_error`. Other tasks go on.
 An exception from the engine's step itself (a bad kernel choice, device out of memory, a compile
 error) ends the engine for every task: the driver records it, every pending turn and command fails
 with `EngineFailed` (naming the original error), and so does any later command; nothing waits forever.
@@ -60,6 +61,7 @@ import numpy as np
 from tiderl_jax.agents.env import EnvRewound, Environment, LatencyModel, Observation, Task, as_observation
 from tiderl_jax.agents.tasks import SYSTEM_PROMPT
 from tiderl_jax.agents.trajectory import Trajectory, Turn
+from tiderl_jax.data.rewards import RewardFailed
 from tiderl_jax.engine.engine import Engine, Request, SequenceOutput
 from tiderl_jax.engine.sampling import RequestError, SamplingParams
 from tiderl_jax.model import chat, vision
@@ -326,6 +328,9 @@ class RolloutRunner:
                 except asyncio.TimeoutError:
                     traj.turns.append(Turn(start, start + n, gen_s, time.perf_counter() - t1))
                     return self._fail(traj, s, "env_timeout", f"environment step exceeded {cfg.env_timeout_s}s")
+                except RewardFailed as e:  # the task's reward function raised or timed out
+                    traj.turns.append(Turn(start, start + n, gen_s, time.perf_counter() - t1))
+                    return self._fail(traj, s, e.reason, str(e))
                 except Exception as e:
                     traj.turns.append(Turn(start, start + n, gen_s, time.perf_counter() - t1))
                     return self._fail(traj, s, "env_error", f"{type(e).__name__}: {e}")
