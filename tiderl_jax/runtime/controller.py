@@ -98,8 +98,10 @@ class Controller(Borrowing):
                  rollout_config: RolloutConfig | None = None, trainer_config: TrainerConfig | None = None,
                  latency: LatencyModel = LatencyModel(), logdir: str, rules=None,
                  make_env: Callable[[Task], object] | None = None, devices: Sequence | None = None,
-                 backend: Backend | None = None, checkpoints: bool = True):
+                 backend: Backend | None = None, checkpoints: bool = True,
+                 task_source: Callable[[int], Task] | None = None):
         self.cfg = config
+        self._task_source = task_source  # train task by index (a dataset's, data/datasets.py); None: built-in kinds
         self.latency = latency
         self._make_env = make_env or task_lib.TaskEnvFactory(latency)
         if config.env_workers:
@@ -219,6 +221,8 @@ class Controller(Borrowing):
         kinds = self.cfg.task_kinds
         i = self.cursor
         self.cursor += 1
+        if self._task_source is not None:
+            return self._task_source(i)
         return task_lib.make_task(kinds[i % len(kinds)], i // len(kinds), "train", self.cfg.data_seed)
 
     async def _produce(self):
