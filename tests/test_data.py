@@ -198,6 +198,10 @@ def test_a_dataset_task_runs_through_the_rollout_loop(tmp_path):
     assert trajs["1"].end_reason == "answered" and trajs["1"].reward == 0.25 and len(trajs["1"].turns) == 1
     assert trajs["2"].end_reason == "reward_error" and "bad row" in trajs["2"].failure
     assert trajs["3"].end_reason == "answered"
+    from tiderl_jax.rl import evaluate  # held-out evaluation on a dataset's tasks, with their environments
+    held = evaluate.heldout_trajectories(engine, Tokenizer.builtin(), (), 2, runner.config,
+                                         dataset_tasks=data.train.dataset.tasks, make_env=data.make_env)
+    assert [t.end_reason for t in held] == ["answered", "reward_error"] and held[0].reward == 0.25
 
 
 def test_the_controller_draws_train_tasks_from_a_task_source(tmp_path):

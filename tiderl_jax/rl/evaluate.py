@@ -39,13 +39,15 @@ def _make_env(task: Task):
 
 
 def sample_groups(engine: Engine, tokenizer: Tokenizer, group_tasks: Sequence[Task], group_size: int,
-                  config: RolloutConfig, progress=None) -> list[Trajectory]:
+                  config: RolloutConfig, progress=None, make_env=None) -> list[Trajectory]:
     """`group_size` rollouts of every task (group id = the task's position); trajectories in order.
-    `progress(n)` (optional) hears how many have finished."""
+    `progress(n)` (optional) hears how many have finished. `make_env`: the tasks' environments
+    (a dataset's, `data/env.py`); the built-in kinds' by default."""
+    make_env = make_env or _make_env
     work = [(task, g) for g, task in enumerate(group_tasks) for _ in range(group_size)]
     runner = RolloutRunner(engine, tokenizer, config)
     if progress is None:
-        return asyncio.run(runner.run(work, _make_env))
+        return asyncio.run(runner.run(work, make_env))
     finished = 0
 
     async def one(task, g):
@@ -56,7 +58,7 @@ def sample_groups(engine: Engine, tokenizer: Tokenizer, group_tasks: Sequence[Ta
         return traj
 
     async def run_all():
-        await runner.start(_make_env)
+        await runner.start(make_env)
         try:
             return list(await asyncio.gather(*(one(t, g) for t, g in work)))
         finally:
@@ -89,10 +91,13 @@ def heldout_results(engine: Engine, tokenizer: Tokenizer, kinds: Sequence[str], 
 
 
 def heldout_trajectories(engine: Engine, tokenizer: Tokenizer, kinds: Sequence[str], num_tasks: int,
-                         config: RolloutConfig, *, seed: int = 0, progress=None) -> list[Trajectory]:
-    """`heldout_results`' rollouts themselves, one per pooled held-out task, in task order."""
-    heldout = heldout_tasks(kinds, num_tasks, seed)
-    return sample_groups(engine, tokenizer, heldout, 1, config, progress=progress)
+                         config: RolloutConfig, *, seed: int = 0, progress=None, dataset_tasks: Sequence[Task] = (),
+                         make_env=None) -> list[Trajectory]:
+    """`heldout_results`' rollouts themselves, one per pooled held-out task, in task order. `dataset_tasks`
+    (a dataset's held-out split, `data/env.py`'s `build_data`): its first `num_tasks` instead of the
+    built-in kinds', with their `make_env`."""
+    heldout = list(dataset_tasks)[:num_tasks] if dataset_tasks else heldout_tasks(kinds, num_tasks, seed)
+    return sample_groups(engine, tokenizer, heldout, 1, config, progress=progress, make_env=make_env)
 
 
 def results_of(trajectories: Sequence[Trajectory]) -> dict:
