@@ -9,10 +9,14 @@ Phases, each with a progress line (global step / total, rate, ETA):
    warm start (`config.warm_start="scratch"`, `launch/sft.py`'s rule).
 2. **Held-out before**: `eval.tasks` held-out tasks (the kinds pooled), greedy and sampled at the
    rollout temperature (fixed per-task seeds: common random numbers before and after).
-3. **RL**: the controller (rollout, scoring, training, weight sync, ERS) for `controller.steps` updates.
+3. **RL**: the controller (rollout, scoring, training, weight sync, ERS) for `controller.steps` updates;
+   every `eval.every` updates (0: never) the first `eval.during_tasks` held-out tasks, greedy, on the latest
+   weights (a printed line, metrics.jsonl's `eval_*` keys, `rollouts/during_rl_step_<N>.jsonl`).
 4. **Held-out after**, on the same tasks and seeds; the gain with its 95% paired-bootstrap interval.
-5. **Summary**: a table, `summary.json`, `learning.png` (reward and held-out curves) and
-   `timeline.png` (what each device group did) in `config.logdir` (`tiderl_jax/run_report.py`).
+5. **Summary**: a table, `summary.json`, `learning.png` (reward and held-out curves), `reward_curve.png`
+   (reward per update with its spread, the evaluations during RL, the groups with no GRPO signal) and
+   `timeline.png` (this invocation's phases, and what each device group did in RL) in `config.logdir`
+   (`tiderl_jax/run_report.py`). The warm start's NLL and probe success are TensorBoard's `sft/` scalars.
 
 6. **The policy**: exported in HF format to `config.logdir/hf_export/` (`launch/generate.py
    --checkpoint=...` loads it; `--config.export_every_checkpoint=true` also exports at each RL checkpoint,
@@ -48,20 +52,6 @@ def _fail(message: str, status: int = 2):
     message = " | ".join(line.strip() for line in str(message).strip().splitlines() if line.strip())
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
-
-
-class Phases:
-    """Wall seconds per phase of this invocation (summary.json's `phases_s`)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.current = "start"
-        self._t = time.perf_counter()
-
-    def enter(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self._t
-        self.current, self._t = name, now
 
 
 def _check_prompts(cfg, tokenizer) -> None:
@@ -109,6 +99,57 @@ def _evaluate(controller, tokenizer, cfg, rollout, when: str) -> dict:
     return out
 
 
+def _evaluation_during_rl(controller, tokenizer, cfg):
+    """`Controller.run(on_step=...)`'s hook: every `eval.every` updates (0: never), the first `eval.during_tasks`
+    held-out tasks, greedy, through the running rollout loop on the latest weights; their results
+    (`health.eval_stats`) become the update's `eval_*` keys in metrics.jsonl (TensorBoard `eval/`), a line
+    is printed, and the rollouts go to `rollouts/during_rl_step_<N>.jsonl`."""
+    from tiderl_jax import run_report
+    from tiderl_jax.rl import evaluate
+    from tiderl_jax.runtime import health
+
+    every = cfg.eval.get("every", 0)
+    during = evaluate.heldout_tasks(tuple(cfg.tasks), cfg.eval.get("during_tasks", 1)) if every else []
+
+    async def evaluate_during_rl(step: int):
+        if not every or step % every:
+            return None
+        t0 = time.perf_counter()
+        trajectories = await controller.backend.run_tasks(during, temperature=0.0, seed=cfg.seed + 7)
+        evaluate.save_readable(trajectories, tokenizer,
+                               os.path.join(cfg.logdir, "rollouts", f"during_rl_step_{step}.jsonl"))
+        stats = health.eval_stats(trajectories)
+        print(f"held-out during RL (step {step}, greedy): "
+              f"{run_report.count_rate([t.reward for t in trajectories])} solved, mean reward "
+              f"{stats['reward']:.3f} [{time.perf_counter() - t0:.1f}s]", flush=True)
+        return stats
+    return evaluate_during_rl
+
+
+def _warm_start(cfg, model, tokenizer, controller, sft_cfg, rcfg):
+    """The supervised warm start (`sft.warm_start_policy`), its probes and NLL curve logged as TensorBoard
+    scalars `sft/probe_success` and `sft/nll` at the warm start's own step. Returns the weights."""
+    from tiderl_jax.rl import sft
+    from tiderl_jax.rl.checkpoint import Checkpointer
+
+    resume_dir = os.path.join(os.path.abspath(cfg.logdir), "warm_start")
+    saved = Checkpointer(resume_dir, keep=1, async_save=False)  # where a resumed warm start goes on from
+    start = saved.latest_step() or 0
+    saved.close()
+
+    def on_probe(step, success, params):
+        del params
+        controller.metrics.log_scalars("sft", step, {"probe_success": success})
+    weights, curve = sft.warm_start_policy(
+        model, tokenizer, tuple(cfg.tasks), cfg.sft.to_dict(), sft_cfg, engine=controller.engine,
+        load=controller.load_policy, rollout=rcfg, seed=cfg.seed, on_probe=on_probe, resume_dir=resume_dir)
+    for i, nll in enumerate(curve):
+        controller.metrics.log_scalars("sft", start + i + 1, {"nll": nll})
+    if curve:
+        print(f"warm start: NLL {curve[0]:.3f} -> {curve[-1]:.3f} over {len(curve)} steps", flush=True)
+    return weights
+
+
 def _export(controller, tokenizer, path: str) -> str:
     """The policy the trainer holds, as an HF checkpoint (`hf_io.export_policy`)."""
     from tiderl_jax.model.hf_io import export_policy
@@ -130,23 +171,23 @@ def _export_at_checkpoints(controller, tokenizer, logdir: str) -> None:
 
 
 def _ledger(controller, state) -> dict:
-    """The whole run's sample ledger with each term of its identity (`run_report.ledger_accounts`)."""
+    """The whole run's sample ledger with each term of its identity (`run_report.ledger_accounts`); the groups
+    of the update being assembled or trained (`Controller.taking`) count as ready: a checkpoint keeps them."""
     from tiderl_jax import run_report
 
     groups = [*controller.in_flight.values(), *controller.resume_groups]
     return run_report.ledger_accounts(
         dict(controller.ledger), unfinished=controller.unfinished(), trained=len(controller.consumed),
-        ready=sum(len(g.trajectories) for g in controller.ready), waiting=sum(len(g.trajectories) for g in groups),
-        interrupted=state.data.get("lost_at_interruptions", 0))
+        ready=sum(len(g.trajectories) for g in [*controller.taking, *controller.ready]),
+        waiting=sum(len(g.trajectories) for g in groups), interrupted=state.data.get("lost_at_interruptions", 0))
 
 
 def _count_lost(controller, state) -> None:
-    """RL stopped by an interruption or a failure. `Controller.save` kept the ready buffer and the in-flight
-    groups, not the batch the update in progress held (the ledger's residual now), nor the groups of an
-    earlier checkpoint not yet admitted again (`resume_groups`): their completed samples will be neither
-    trained nor generated again. run_state keeps their count for the ledger (`run_report.ledger_accounts`)."""
-    lost = (_ledger(controller, state)["completed_as"]["unexplained"]
-            + sum(len(g.trajectories) for g in controller.resume_groups))
+    """RL stopped by an interruption or a failure. `Controller.save` keeps the ready buffer with the update
+    being assembled (`taking`) and the in-flight groups, those a resume has not admitted again included; any
+    completed sample the ledger cannot place now (its residual) will be neither trained nor generated again.
+    run_state keeps their count for the ledger (`run_report.ledger_accounts`)."""
+    lost = _ledger(controller, state)["completed_as"]["unexplained"]
     if lost > 0:
         state.save(lost_at_interruptions=state.data.get("lost_at_interruptions", 0) + lost)
 
@@ -161,6 +202,7 @@ def main(argv):
 
 
 def _main(cfg):
+    from tiderl_jax.run_report import Phases
     from tiderl_jax.run_state import RunState, write_config
 
     logging.set_verbosity(logging.INFO)
@@ -176,7 +218,7 @@ def _main(cfg):
         ccfg, tcfg, ecfg, rcfg, sft_cfg = config_lib.rl_configs(cfg)
         tokenizer = config_lib.build_tokenizer(cfg)
         _check_prompts(cfg, tokenizer)
-        state = RunState(cfg.logdir, cfg.to_dict())
+        state = RunState(cfg.logdir, cfg.to_dict(), _defaults())
         state.check_same_run()
         done = state.finished()
         if done is not None and done["steps"] >= ccfg.steps:
@@ -219,14 +261,7 @@ def _main(cfg):
         else:
             if cfg.warm_start == "scratch":
                 phases.enter("warm start")
-                from tiderl_jax.rl import sft
-                weights, curve = sft.warm_start_policy(
-                    model, tokenizer, tuple(cfg.tasks), cfg.sft.to_dict(), sft_cfg, engine=controller.engine,
-                    load=controller.load_policy, rollout=rcfg, seed=cfg.seed,
-                    resume_dir=os.path.join(os.path.abspath(cfg.logdir), "warm_start"))
-                if curve:
-                    print(f"warm start: NLL {curve[0]:.3f} -> {curve[-1]:.3f} over {len(curve)} steps", flush=True)
-                controller.load_policy(weights)
+                controller.load_policy(_warm_start(cfg, model, tokenizer, controller, sft_cfg, rcfg))
             controller.save(wait=True)  # step 0: a resume starts from here
         if "heldout_before" not in state.data:
             if controller.step > 0:
@@ -237,7 +272,7 @@ def _main(cfg):
         before = state.data["heldout_before"]
         if "rl_summary" not in state.data or controller.step < ccfg.steps:
             phases.enter("RL")
-            summary = asyncio.run(controller.run())
+            summary = asyncio.run(controller.run(on_step=_evaluation_during_rl(controller, tokenizer, cfg)))
             state.save(rl_summary=dict(summary, rewards=controller.metrics.rewards, step=controller.step,
                                        ledger_accounts=_ledger(controller, state), ers_moves=list(controller.moves),
                                        ers_refusal_last=controller.ers_history.refused))
@@ -285,6 +320,15 @@ def _main(cfg):
                 controller.checkpointer.close()
 
 
+def _defaults() -> dict:
+    """The config file's own values, before the command line's overrides (a run directory made before a key
+    existed resumes while the key has its default: `run_state.config_changes`)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    return config_lib.load_config_file(config_flags.get_config_filename(flags.FLAGS[_CONFIG.name])).to_dict()
+
+
 def _num_params(model) -> int:
     import jax
     from flax import nnx
@@ -301,12 +345,16 @@ def _report(cfg, ccfg, controller, summary, before, after, phases, compiles, pla
 
     gains = {name: stats.paired_bootstrap(before[name]["rewards"], after[name]["rewards"], seed=cfg.seed)
              for name in ("greedy", "sampled")}
-    png = controller.metrics.plot_timeline(os.path.join(cfg.logdir, "timeline.png"))
+    metrics = controller.metrics
+    png = metrics.plot_timeline(os.path.join(cfg.logdir, "timeline.png"), mode=ccfg.mode,
+                                title=f"{controller.step} RL updates; the phases of this invocation above",
+                                phases=phases.spans_on(metrics.clock))
     curves = plots.learning_curves(os.path.join(cfg.logdir, "metrics.jsonl"), before, after, gains,
                                    os.path.join(cfg.logdir, "learning.png"))
+    reward = plots.reward_curve(os.path.join(cfg.logdir, "metrics.jsonl"), os.path.join(cfg.logdir, "reward_curve.png"))
     phases.enter("done")
     total = sum(phases.seconds.values())
-    files = dict(files, plots=f"{curves}, {png}",
+    files = dict(files, plots=f"{curves}, {reward}, {png}",
                  metrics=f"{cfg.logdir}/metrics.jsonl, TensorBoard: tensorboard --logdir {cfg.logdir}")
     rows = run_report.summary_rows(mode=ccfg.mode, rl=summary, batch_samples=ccfg.batch_samples, before=before,
                                    after=after, gains=gains, phases_s=phases.seconds, total_s=total,

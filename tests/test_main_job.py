@@ -14,7 +14,8 @@ import time
 import pytest
 from conftest import ROOT
 
-TINY = ["--config.controller.steps=3", "--config.eval.tasks=4", "--config.controller.groups_per_step=2",
+TINY = ["--config.controller.steps=3", "--config.eval.tasks=4", "--config.eval.every=2", "--config.eval.during_tasks=2",
+        "--config.controller.groups_per_step=2",
         "--config.controller.group_size=2", "--config.controller.max_concurrent=8", "--config.rollout.max_turns=2",
         "--config.rollout.max_new_tokens=32", "--config.latency.median_s=0.01", "--config.latency.sigma=0.0"]
 
@@ -66,8 +67,10 @@ def test_interrupted_in_each_phase_it_resumes_and_reports_the_learning_statistic
     ledger = summary["ledger"]  # the whole run's, across the interruptions: every sample accounted for
     assert ledger["unexplained"] == 0 and ledger["completed_as"]["unexplained"] == 0, ledger
     assert ledger["admitted"] > 0 and 0 < ledger["completed_as"]["trained"] <= 3 * 4  # 3 updates of 2 groups x 2
-    for png in ("learning.png", "timeline.png"):
+    for png in ("learning.png", "timeline.png", "reward_curve.png"):
         assert (tmp_path / png).stat().st_size > 1000
+        assert png in summary["files"]["plots"]
+    _assert_evaluated_every_2_updates(tmp_path, out, [2])
     assert "held-out greedy" in out and "95% CI" in out and "RL wall time" in out and "total wall time" in out
     assert json.loads((tmp_path / "config.json").read_text())["controller"]["steps"] == 3
     for when in ("before", "after"):
@@ -91,12 +94,33 @@ def test_interrupted_in_each_phase_it_resumes_and_reports_the_learning_statistic
     out = _finish(proc)
     assert proc.returncode == 0 and "continuing the finished run" in out and "resumed from" in out, out[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 4
+    _assert_evaluated_every_2_updates(tmp_path, out, [4])
     assert json.loads((tmp_path / "summary.3_steps.json").read_text())["step"] == 3
     # the same log directory with another configuration is refused, not silently resumed
     r = subprocess.run([sys.executable, "launch/train.py", f"--config.logdir={tmp_path}", *TINY,
                         "--config.controller.steps=4", "--config.controller.mode=sync"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "holds a run of another configuration (controller.mode" in r.stderr, r.stderr[-2000:]
+
+
+def _assert_evaluated_every_2_updates(logdir, out: str, printed: list[int]) -> None:
+    """eval.every=2: the updates 2, 4, ... and only they have the held-out results of the evaluation during RL
+    (eval.during_tasks=2) in metrics.jsonl and their rollouts in rollouts/; this invocation printed `printed`."""
+    rows = {}
+    for line in open(logdir / "metrics.jsonl"):
+        row = json.loads(line)
+        rows[row["step"]] = row  # a resumed run logs its later steps again: the last wins
+    for step, row in rows.items():
+        evals = {k for k in row if k.startswith("eval_")}
+        if step % 2:
+            assert not evals, row
+        else:
+            assert evals >= {"eval_success", "eval_solved", "eval_tasks", "eval_reward"} and row["eval_tasks"] == 2
+            assert 0 <= row["eval_success"] <= 1
+            assert len(open(logdir / "rollouts" / f"during_rl_step_{step}.jsonl").readlines()) == 2
+    assert any(step % 2 == 0 for step in rows)
+    for step in printed:
+        assert f"held-out during RL (step {step}, greedy): " in out, out[-3000:]
 
 
 @pytest.mark.timeout(600)
