@@ -7,10 +7,10 @@ invocation's phases (`Phases`: seconds per phase, and their spans for the timeli
   `total_wall_s` (every phase of this invocation: start, warm start, evaluations, RL, summary).
 - The sample ledger, whole run (`ledger_accounts`): every admitted sample ends once, as completed or
   dropped with its reason, or is still unfinished when RL stops; completed samples were trained, dropped
-  as stale, are still waiting (ready, or in a group not yet complete), or were lost when RL was
-  interrupted (the checkpoint keeps neither the batch of the update in progress nor the groups of an
-  earlier checkpoint not yet admitted again). Anything that does not add up is shown as `unexplained`,
-  not hidden.
+  as stale, are still waiting (ready, the update being assembled included, or in a group not yet
+  complete), or were lost when RL was interrupted (the checkpoint keeps the update being assembled and
+  the groups not yet admitted again, so normally none). Anything that does not add up is shown as
+  `unexplained`, not hidden.
 - ERS: its moves with their reasons; how many step boundaries it refused a move it wanted (the
   controller counts refusals and keeps only the last boundary's reason; each is in the log as
   `ERS: no move (...)`).
@@ -75,11 +75,12 @@ def ledger_accounts(ledger: dict, *, unfinished: int, trained: int, ready: int, 
     """The ledger's identity, each term named. `ledger`: the controller's counters (`admitted`,
     `completed`, `dropped:<reason>`; `dropped:stale` samples were completed first); `unfinished`:
     admitted samples that had not ended when RL stopped; `trained`: samples the trainer consumed;
-    `ready`: completed samples in the ready buffer at the end; `waiting`: completed samples of groups
-    whose other samples had not ended; `interrupted`: completed samples an interruption (Ctrl-C, a
-    failure) of RL lost: those of the batch an update held, and those of groups an earlier checkpoint
-    kept that were not yet admitted again; the checkpoint keeps neither them nor their tasks, so they are
-    neither trained nor generated again (counted by `launch/train.py` when it happens)."""
+    `ready`: completed samples in the ready buffer at the end (with the update being assembled);
+    `waiting`: completed samples of groups whose other samples had not ended; `interrupted`: completed
+    samples an interruption (Ctrl-C, a failure) of RL lost: those the ledger could not place then, which
+    the checkpoint does not keep, so they are neither trained nor generated again (counted by
+    `launch/train.py` when it happens; the checkpoint keeps the update being assembled and the groups not
+    yet admitted again, so normally none)."""
     admitted, completed = ledger.get("admitted", 0), ledger.get("completed", 0)
     dropped = {k.split(":", 1)[1]: v for k, v in sorted(ledger.items()) if k.startswith("dropped:") and v}
     stale = dropped.pop("stale", 0)
