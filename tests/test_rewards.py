@@ -2,6 +2,7 @@
 built-in math and code rewards."""
 
 import asyncio
+import pickle
 import time
 
 import pytest
@@ -127,6 +128,8 @@ def test_raising_and_bad_results_fail_the_sample_with_a_reason():
         with pytest.raises(RewardFailed, match=problem):
             _call(RewardFn(lambda *a, v=value: v, name="bad"))
     assert _call(RewardFn(lambda *a: True)).score == 1.0
+    again = pickle.loads(pickle.dumps(e.value))  # as it comes back from an environment subprocess
+    assert isinstance(again, RewardFailed) and again.reason == "reward_error" and str(again) == str(e.value)
 
 
 ENV_FILE = '''

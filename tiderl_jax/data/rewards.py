@@ -60,6 +60,9 @@ class RewardFailed(Exception):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self):  # crosses process boundaries intact (environment subprocesses)
+        return type(self), (self.reason, str(self))
+
 
 def _split(spec: str, what: str) -> tuple[str, str]:
     if not isinstance(spec, str) or spec.count(":") < 1:
