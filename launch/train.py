@@ -290,7 +290,8 @@ def _main(cfg):
         compiles.stop()
         path = _report(cfg, ccfg, controller, summary, before, after, phases, compiles, platform,
                        dict(policy=f"{policy} (python launch/generate.py --checkpoint={policy})",
-                            rollouts=os.path.join(cfg.logdir, "rollouts", "heldout_*.jsonl"),
+                            rollouts=", ".join(os.path.join(cfg.logdir, "rollouts", f) for f in (
+                                "heldout_*.jsonl", *(["during_rl_step_*.jsonl"] if cfg.eval.get("every", 0) else []))),
                             config=config_file))
         state.save(finished=dict(steps=controller.step, summary=path))
     except KeyboardInterrupt:

@@ -71,6 +71,7 @@ def test_interrupted_in_each_phase_it_resumes_and_reports_the_learning_statistic
         assert (tmp_path / png).stat().st_size > 1000
         assert png in summary["files"]["plots"]
     _assert_evaluated_every_2_updates(tmp_path, out, [2])
+    assert summary["files"]["rollouts"].endswith("rollouts/during_rl_step_*.jsonl")
     assert "held-out greedy" in out and "95% CI" in out and "RL wall time" in out and "total wall time" in out
     assert json.loads((tmp_path / "config.json").read_text())["controller"]["steps"] == 3
     for when in ("before", "after"):
@@ -79,6 +80,7 @@ def test_interrupted_in_each_phase_it_resumes_and_reports_the_learning_statistic
             assert len(rows) == 4 and all({"text", "tokens", "reward", "turns", "end_reason"} <= set(r) for r in rows)
     export = tmp_path / "hf_export"
     assert json.loads((export / "export.json").read_text())["step"] == 3
+    assert json.loads((export / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
     r = subprocess.run([sys.executable, "launch/generate.py", f"--checkpoint={export}", "--prompt=2+3=",
                         "--max_new_tokens=4", "--max_seq_len=128", "--num_pages=32"], cwd=ROOT,
                        capture_output=True, text=True, timeout=240)
