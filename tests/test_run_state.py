@@ -120,7 +120,8 @@ def test_the_ledger_identity_names_every_term():
 def _rl(**extra):
     return dict(steps=3, step=3, wall_s=40.0, rewards=[0.0, 0.5, 1.0], goodput_tokens_per_s=100.0,
                 goodput_samples_per_s=1.5, step_time_s=2.0, rollout_wait_s=3.0, trainer_wait_s=4.0, kv_hit_rate=0.5,
-                ledger={"admitted": 4, "completed": 4}, ers_refused=2, ers_refusal_last="", moves=1,
+                ledger={"admitted": 4, "completed": 4}, ers_refused=3, ers_refusal_last="", moves=1,
+                ers_refusals={"does not pay": 1, "cooldown": 2},
                 ers_moves=[dict(step=2, by="ERS", frm="train", to="rollout", reason="rollout deficit")],
                 ledger_accounts=run_report.ledger_accounts({"admitted": 4, "completed": 4}, unfinished=0,
                                                            trained=4, ready=0, waiting=0), **extra)
@@ -138,7 +139,8 @@ def test_the_summary_gives_counts_beside_rates_and_names_both_clocks():
     assert rows["held-out greedy"].startswith("3/16 (0.188) -> 5/16 (0.312) tasks solved")
     assert "calculator 2/8 -> 3/8" in rows["  by kind"]
     assert rows["RL wall time"].startswith("40s (rl_wall_s") and rows["total wall time"].startswith("60s (total_wall_s")
-    assert "step 2 ERS train -> rollout (rollout deficit)" in rows["moves"] and "2 step boundaries" in rows["moves"]
+    assert "step 2 ERS train -> rollout (rollout deficit)" in rows["moves"] and "3 step boundaries" in rows["moves"]
+    assert "(cooldown 2, does not pay 1)" in rows["moves"]  # the refusals by kind, most frequent first
     out = run_report.summary_json(devices=8, platform="cpu", files={"policy": "p"}, **common)
     assert "wall_s" not in out and out["rl_wall_s"] == 40.0 and out["total_wall_s"] == 60.0
     assert out["heldout_before"]["greedy"] == dict(solved=3, tasks=16, rate=3 / 16, mean_reward=3 / 16)

@@ -109,14 +109,15 @@ def ledger_lines(acc: dict) -> list[str]:
     return [first, second]
 
 
-def ers_line(moves: list[dict], refused: int, last_refusal: str) -> str:
-    """ERS's and RA2P's moves with their reasons, and ERS's refusals."""
+def ers_line(moves: list[dict], refused: int, last_refusal: str, refusals: dict | None = None) -> str:
+    """ERS's and RA2P's moves with their reasons, and ERS's refusals by kind (`ers.REFUSALS`)."""
     shown = "; ".join(f"step {m['step']} {m['by']} {m['frm']} -> {m['to']} ({m['reason']})" for m in moves)
     out = f"{len(moves)} moves" + (f": {shown}" if shown else "")
     out += f"; {refused} step boundaries where ERS wanted a move and refused it"
     if refused:
-        out += (f" (the last boundary's reason: {last_refusal})" if last_refusal else "") + \
-               " (each reason is in the log: 'ERS: no move (...)')"
+        kinds = ", ".join(f"{kind} {n}" for kind, n in sorted((refusals or {}).items(), key=lambda kv: -kv[1]))
+        out += (f" ({kinds})" if kinds else "") + \
+            (f"; the last: {last_refusal}" if last_refusal else "") + " (each is in the log: 'ERS: no move (...)')"
     return out
 
 
@@ -147,7 +148,8 @@ def summary_rows(*, mode: str, rl: dict, batch_samples: int, before: dict, after
              ("waiting (device-s)", f"rollout {rl['rollout_wait_s']:.0f}, trainer {rl['trainer_wait_s']:.0f}"),
              ("KV hit rate", f"{rl['kv_hit_rate']:.3f}"),
              ("samples (whole run)", ledger[0]), ("", ledger[1]),
-             ("moves", ers_line(rl.get("ers_moves", []), rl.get("ers_refused", 0), rl.get("ers_refusal_last", ""))),
+             ("moves", ers_line(rl.get("ers_moves", []), rl.get("ers_refused", 0), rl.get("ers_refusal_last", ""),
+                                rl.get("ers_refusals"))),
              ("compiles", f"{compiles[0]} device programs, {compiles[1]:.0f}s (inside the times below)"),
              ("RL wall time", f"{rl['wall_s']:.0f}s (rl_wall_s: the RL phase of this invocation)"),
              ("total wall time", f"{total_s:.0f}s (total_wall_s: every phase of this invocation: "

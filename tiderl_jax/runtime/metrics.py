@@ -254,20 +254,26 @@ class RunMetrics:
                     ax.broken_barh([(shift + start, max(end - start, 1e-3))], (row - 0.4, 0.8),
                                    color=_COLORS.get(kind, "black"))
         colors = plt.get_cmap("Pastel1")
+        width = max([e - origin for _, _, e in marks] + [shift + e for *_, e in self.spans] + [1e-9])
+        narrow = []  # phases too short to hold their name: named in the legend instead
         for i, (name, start, end) in enumerate(phases):  # the invocation's phases: labelled, the upper part
             ax.broken_barh([(start - origin, max(end - start, 1e-3))], (len(lanes) - 0.1, 0.5),
                            color=colors(i % 9), edgecolor="gray")
-            ax.text(start - origin + (end - start) / 2, len(lanes) + 0.15, name, ha="center", va="center",
-                    fontsize=7, clip_on=True)
+            if end - start >= 0.08 * width:
+                ax.text(start - origin + (end - start) / 2, len(lanes) + 0.15, name, ha="center", va="center",
+                        fontsize=7, clip_on=True)
+            else:
+                narrow.append((name, colors(i % 9)))
         for _, start, end in self.phases:  # evaluations during RL: the lower part, in the legend
             ax.broken_barh([(start - origin, max(end - start, 1e-3))], (len(lanes) - 0.4, 0.3),
                            color=_COLORS["eval"])
         ax.set_yticks(range(len(rows)), rows)
         ax.set_xlabel("seconds since the invocation began" if phases else "seconds since the RL phase began")
         kinds = [k for k in _COLORS if any(s[1] == k for s in self.spans) or (k == "eval" and self.phases)]
-        ax.legend([plt.Rectangle((0, 0), 1, 1, color=_COLORS[k]) for k in kinds],
-                  [k if k != "eval" else "evaluation during RL" for k in kinds],
-                  loc="lower center", ncol=8, bbox_to_anchor=(0.5, 1.0), frameon=False)
+        ax.legend([plt.Rectangle((0, 0), 1, 1, color=_COLORS[k]) for k in kinds]
+                  + [plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="gray") for _, c in narrow],
+                  [k if k != "eval" else "evaluation during RL" for k in kinds] + [f"phase: {n}" for n, _ in narrow],
+                  loc="lower center", ncol=8, bbox_to_anchor=(0.5, 1.0), frameon=False, fontsize=8)
         heading = " - ".join(x for x in (f"{mode} mode" if mode else "", title or "") if x)
         if heading:
             fig.suptitle(heading)

@@ -92,6 +92,7 @@ def reward_curve(metrics_jsonl: str, path: str) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     from tiderl_jax.runtime.health import NOT_LEARNING_UPDATES, ZERO_VARIANCE_SHARE
 
@@ -118,6 +119,7 @@ def reward_curve(metrics_jsonl: str, path: str) -> str:
     bottom.set_ylim(0, 1.02)
     bottom.set_ylabel("share of groups")
     bottom.set_xlabel("RL update")
+    bottom.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # updates are whole numbers
     bottom.grid(alpha=0.3)
     bottom.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
