@@ -33,8 +33,14 @@ venv: $(CORE)
 run: $(CORE)
 	$(VENV)/bin/python launch/train.py --config=configs/tiny_agentic.py $(ARGS)
 
+# The suite runs in two pytest processes (test files a-m, then the rest; exit status 5, "no test selected" by ARGS,
+# counts as a pass): one process segfaulted inside XLA at the same point of three cold-cache runs, 97% in
+# (tests/test_visual.py compiling in the engine's worker thread), while those tests pass in smaller groups.
+TESTS_A := $(wildcard tests/test_[a-m]*.py)
+TESTS_B := $(filter-out $(TESTS_A),$(wildcard tests/test_*.py))
 test: $(CORE)
-	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q tests $(ARGS)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q $(TESTS_A) $(ARGS); s=$$?; [ $$s -eq 0 ] || [ $$s -eq 5 ] || exit $$s
+	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q $(TESTS_B) $(ARGS); s=$$?; [ $$s -eq 0 ] || [ $$s -eq 5 ] || exit $$s
 
 clean:
 	rm -rf $(VENV) .jax_cache

@@ -12,15 +12,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
-
-# The test process reads the persistent compile cache but does not write to it: in a cold-cache run of the whole
-# suite (CI's), jaxlib segfaulted twice at the same point, in `executable.serialize()` while writing a cache entry
-# from the engine's worker thread (tests/test_visual.py, 97% into the suite; the tests pass alone and in smaller
-# groups). Subprocesses the tests start (launch/train.py, ...) keep writing, so later ones load what earlier ones
-# compiled.
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 ARCHS = ("llama", "qwen2", "qwen3")
