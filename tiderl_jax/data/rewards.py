@@ -2,7 +2,8 @@
 
 A reward function is named `"module:function"` (importable: `my_pkg.rewards:compute_score`) or
 `"path/to/file.py:function"` (loaded from that file, as veRL's `custom_reward_function.path` is), or
-by a built-in's short name (`"math"`, `"code"`: `builtin.py`). Its signature is veRL's:
+by a built-in's short name (`"math"`, `"code"`, `"auto"`: `builtin.py`; `"reasoning_gym"`: `packaged.py`).
+Its signature is veRL's:
 
     compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict
 
@@ -44,7 +45,9 @@ import threading
 from typing import Any, Callable, Mapping
 
 BUILTIN_REWARDS = {"math": "tiderl_jax.data.builtin:math_reward",
-                   "code": "tiderl_jax.data.builtin:code_reward"}
+                   "code": "tiderl_jax.data.builtin:code_reward",
+                   "reasoning_gym": "tiderl_jax.data.packaged:reasoning_gym_reward",
+                   "auto": "tiderl_jax.data.builtin:auto_reward"}
 DEFAULT_TIMEOUT_S = 10.0
 MAX_ABANDONED = 16  # hung calls left behind before the function is considered broken
 
