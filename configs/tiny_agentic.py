@@ -1,6 +1,6 @@
 """The main job's CPU default: supervised warm start, then TideRL GRPO on built-in agentic tasks.
 
-A 1.0M-parameter Qwen3-style model (configs/tiny.py's family at hidden 128: a train step is ~6x
+A 0.84M-parameter Qwen3-style model (configs/tiny.py's family at hidden 128: a train step is ~6x
 cheaper than the 3.25M tiny model's, which is what fits warm start + RL into ~13 minutes on two
 cores: the warm start stopped at 550 of its 800 steps in a measured run, 773 s in all;
 benchmarks/learning.py uses the same size) on 8 faked CPU devices, cut into device groups of 2:
@@ -14,14 +14,7 @@ Environment latency is real waiting (log-normal, median 0.3 s). Every key can be
 import importlib.util
 import pathlib
 
-from ml_collections import ConfigDict
-
-from tiderl_jax.agents.rollout import RolloutConfig
-from tiderl_jax.config import section
-from tiderl_jax.engine.engine import EngineConfig
-from tiderl_jax.rl.losses import LossConfig
-from tiderl_jax.rl.trainer import TrainerConfig
-from tiderl_jax.runtime.controller import ControllerConfig
+from tiderl_jax.config import main_job_sections
 
 _spec = importlib.util.spec_from_file_location("tiny", pathlib.Path(__file__).with_name("tiny.py"))
 tiny = importlib.util.module_from_spec(_spec)
@@ -31,37 +24,21 @@ _spec.loader.exec_module(tiny)
 def get_config():
     c = tiny.get_config()
     c.model.update(hidden_size=128, intermediate_size=384, head_dim=32)
-    c.logdir = "runs/tiny_agentic"
+    # every section launch/train.py reads, at its default (tiderl_jax/config.py, main_job_sections); the main
+    # job's values below. --config.data.train_files=FILE trains on a dataset instead (docs/data.md)
+    main_job_sections(c, logdir="runs/tiny_agentic")
     c.tasks = ("calculator", "lookup")
     # RL starts from the shipped warm-started policy (checkpoints/README.md says how it was made);
     # "scratch" runs the supervised warm start first, from random weights (launch/sft.py's rule)
     c.warm_start = "checkpoint"
     c.checkpoint = "checkpoints/tiny_agentic_sft"
-    c.latency = ConfigDict({"median_s": 0.3, "sigma": 1.0, "max_s": 5.0})
-    # the warm start stops once the sampled policy solves `target` of the probe tasks (launch/train.py's
-    # `_warm_start`, benchmarks/learning.py's rule), probed every `probe_every` steps from `min_steps` on;
-    # `steps` is the cap (and the learning-rate schedule's length)
-    c.sft = ConfigDict({"steps": 1200, "batch_size": 32, "learning_rate": 3e-3, "row_len": 576,
-                        "log_every": 25, "target": 0.2, "min_steps": 150, "probe_every": 25, "probe_tasks": 16,
-                        "probe_samples": 4})
-    # held-out evaluation before and after RL: `tasks` held-out tasks, the kinds in turn (pooled), greedy and
-    # sampled; during RL, every `every` updates (0: never), the first `during_tasks` of them, greedy, on the
-    # latest weights (metrics.jsonl's eval_* keys, TensorBoard eval/, reward_curve.png)
-    c.eval = ConfigDict({"tasks": 128, "every": 4, "during_tasks": 32})
-    # the trained policy is exported in HF format to logdir/hf_export/ at the end; True also exports it at
-    # every RL checkpoint (controller.checkpoint_every), to logdir/hf_export_steps/step_N/
-    c.export_every_checkpoint = False
-    # every option of the controller, engine, rollout, trainer and loss is here (their defaults, then
-    # the main job's values), so each can be set with --config.<section>.<key>=v
-    c.controller = section(ControllerConfig, exclude=("task_kinds",),
-        mode="tiderl", steps=14, groups_per_step=8, group_size=8, eta=1, max_concurrent=128,
-        device_group_size=2, rollout_groups=2, ref_groups=0, train_groups=2, tensor=2, ers_patience=2,
-        ers_cooldown=3, checkpoint_every=5)
-    c.engine = section(EngineConfig, page_size=16, num_pages=2048, max_seq_len=1024, max_running=64,
-                       prefill_chunk=512, prefill_budget=2048, max_prefill_rows=16, decode_steps=8, bucket_growth=4)
-    c.rollout = section(RolloutConfig, exclude=("mode", "kv_budget_tokens"), max_turns=4, max_new_tokens=96,
-                        max_context=1024, temperature=1.0)
-    c.trainer = section(TrainerConfig, exclude=("loss", "total_steps", "temperature"), learning_rate=1e-4,
-                        warmup_steps=2, row_len=1024, micro_rows=8, grad_clip=1.0, weight_decay=0.0)
-    c.loss = section(LossConfig, advantage_estimator="grpo", kl_coef=0.0, clip_low=0.2, clip_high=0.28)
+    c.eval.update(tasks=128, every=4, during_tasks=32)
+    c.controller.update(mode="tiderl", steps=14, groups_per_step=8, group_size=8, eta=1, max_concurrent=128,
+                        device_group_size=2, rollout_groups=2, ref_groups=0, train_groups=2, tensor=2,
+                        ers_patience=2, ers_cooldown=3, checkpoint_every=5)
+    c.engine.update(page_size=16, num_pages=2048, max_seq_len=1024, max_running=64, prefill_chunk=512,
+                    prefill_budget=2048, max_prefill_rows=16, decode_steps=8, bucket_growth=4)
+    c.rollout.update(max_turns=4, max_new_tokens=96, max_context=1024, temperature=1.0)
+    c.trainer.update(learning_rate=1e-4, warmup_steps=2, row_len=1024, micro_rows=8, grad_clip=1.0, weight_decay=0.0)
+    c.loss.update(advantage_estimator="grpo", kl_coef=0.0, clip_low=0.2, clip_high=0.28)
     return c

@@ -73,8 +73,56 @@ def _check_prompts(cfg, tokenizer) -> None:
                                       f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves {room}")
 
 
-def _evaluate(controller, tokenizer, cfg, rollout, when: str) -> dict:
-    """Held-out success, greedy and sampled, on the pooled held-out tasks (`rl.evaluate.heldout_results`);
+def _check_dataset_prompts(cfg, tokenizer, data):
+    """A dataset's rows whose first prompt leaves no room for a turn are dropped at the start (a warning names
+    the first few: file, row, tokens), as veRL's `filter_overlong_prompts` does; every row too long is an error."""
+    import dataclasses
+
+    from tiderl_jax.agents import rollout as rollout_lib
+    from tiderl_jax.model.chat_template import ChatTemplate
+
+    room = cfg.rollout.max_context - cfg.rollout.max_new_tokens
+    template = ChatTemplate.for_tokenizer(tokenizer)
+
+    def fits(task) -> bool:
+        try:
+            _, encoded = rollout_lib.first_prompt(tokenizer, template, task.prompt, rollout_lib.system_prompt(task))
+        except ValueError as e:
+            logging.warning("dataset row %s: its prompt cannot be encoded (%s); skipped", task.data.get("source"), e)
+            return False
+        if len(encoded.ids) > room:
+            logging.warning("dataset row %s: its prompt is %d tokens, more than the %d that rollout.max_context=%d "
+                            "leaves with rollout.max_new_tokens=%d; skipped", task.data.get("source"),
+                            len(encoded.ids), room, cfg.rollout.max_context, cfg.rollout.max_new_tokens)
+            return False
+        return True
+
+    dropped = 0
+    if data.train is not None:
+        dataset = data.train.dataset
+        kept = tuple(t for t in dataset.tasks if fits(t))
+        dropped += len(dataset.tasks) - len(kept)
+        if not kept:
+            raise ConfigError(f"data.train_files: no row's prompt fits rollout.max_context={cfg.rollout.max_context} "
+                              f"with rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+        data.train.dataset = dataclasses.replace(dataset, tasks=kept)
+    heldout = tuple(t for t in data.heldout if fits(t))
+    dropped += len(data.heldout) - len(heldout)
+    if data.heldout and not heldout:
+        raise ConfigError(f"data.heldout_files: no row's prompt fits rollout.max_context={cfg.rollout.max_context}")
+    return dataclasses.replace(data, heldout=heldout), dropped
+
+
+def _heldout(cfg, data, n: int):
+    """The first `n` held-out tasks: the dataset's held-out rows, or the built-in kinds' (pooled)."""
+    from tiderl_jax.rl import evaluate
+
+    return list(data.heldout[:n]) if data is not None else evaluate.heldout_tasks(tuple(cfg.tasks), n)
+
+
+def _evaluate(controller, tokenizer, cfg, rollout, when: str, data=None) -> dict:
+    """Held-out success, greedy and sampled, on the pooled held-out tasks of the built-in kinds or the dataset's
+    held-out rows (`_heldout`);
     the rollouts themselves go to `rollouts/heldout_<when>_<greedy|sampled>.jsonl`, decoded."""
     import dataclasses
 
@@ -86,9 +134,10 @@ def _evaluate(controller, tokenizer, cfg, rollout, when: str) -> dict:
     for name, temperature in (("greedy", 0.0), ("sampled", rollout.temperature)):
         t0 = time.perf_counter()
         config = dataclasses.replace(rollout, temperature=temperature, mode="request", seed=cfg.seed + 7)
-        bar = Progress(f"held-out {when} ({name})", cfg.eval.tasks, unit="task", every=cfg.eval.tasks // 4 or 1)
-        trajectories = evaluate.heldout_trajectories(controller.engine, tokenizer, tuple(cfg.tasks), cfg.eval.tasks,
-                                                     config, progress=bar.update)
+        tasks = _heldout(cfg, data, cfg.eval.tasks)
+        bar = Progress(f"held-out {when} ({name})", len(tasks), unit="task", every=len(tasks) // 4 or 1)
+        trajectories = evaluate.sample_groups(controller.engine, tokenizer, tasks, 1, config, progress=bar.update,
+                                              make_env=data.make_env if data is not None else None)
         bar.close()
         evaluate.save_readable(trajectories, tokenizer,
                                os.path.join(cfg.logdir, "rollouts", f"heldout_{when}_{name}.jsonl"))
@@ -99,7 +148,7 @@ def _evaluate(controller, tokenizer, cfg, rollout, when: str) -> dict:
     return out
 
 
-def _evaluation_during_rl(controller, tokenizer, cfg):
+def _evaluation_during_rl(controller, tokenizer, cfg, data=None):
     """`Controller.run(on_step=...)`'s hook: every `eval.every` updates (0: never), the first `eval.during_tasks`
     held-out tasks, greedy, through the running rollout loop on the latest weights; their results
     (`health.eval_stats`) become the update's `eval_*` keys in metrics.jsonl (TensorBoard `eval/`), a line
@@ -109,7 +158,7 @@ def _evaluation_during_rl(controller, tokenizer, cfg):
     from tiderl_jax.runtime import health
 
     every = cfg.eval.get("every", 0)
-    during = evaluate.heldout_tasks(tuple(cfg.tasks), cfg.eval.get("during_tasks", 1)) if every else []
+    during = _heldout(cfg, data, cfg.eval.get("during_tasks", 1)) if every else []
 
     async def evaluate_during_rl(step: int):
         if not every or step % every:
@@ -217,7 +266,11 @@ def _main(cfg):
                 cfg.checkpoint = ""  # random weights; the warm start below trains them
         ccfg, tcfg, ecfg, rcfg, sft_cfg = config_lib.rl_configs(cfg)
         tokenizer = config_lib.build_tokenizer(cfg)
-        _check_prompts(cfg, tokenizer)
+        data = config_lib.build_data(cfg)  # None: the built-in tasks
+        if data is None:
+            _check_prompts(cfg, tokenizer)
+        else:
+            data, too_long = _check_dataset_prompts(cfg, tokenizer, data)
         state = RunState(cfg.logdir, cfg.to_dict(), _defaults())
         state.check_same_run()
         done = state.finished()
@@ -245,7 +298,8 @@ def _main(cfg):
     try:
         controller = Controller(model, tokenizer, config=ccfg, engine_config=ecfg, rollout_config=rcfg,
                                 trainer_config=tcfg, latency=LatencyModel(**cfg.latency.to_dict()),
-                                logdir=cfg.logdir, rules=rules)
+                                logdir=cfg.logdir, rules=rules, task_source=data and data.train,
+                                make_env=data and data.make_env)
         resumed = controller.restore()
     except ConfigError as e:
         _fail(str(e))
@@ -253,7 +307,7 @@ def _main(cfg):
         _export_at_checkpoints(controller, tokenizer, cfg.logdir)
     print(f"model: {model.cfg.arch}, {_num_params(model) / 1e6:.2f}M parameters "
           f"({'from ' + cfg.checkpoint if cfg.checkpoint else 'random weights, warm start first'}); "
-          f"tasks {', '.join(cfg.tasks)}; {ccfg.mode} on {len(controller.backend.devices)} {platform} devices; "
+          f"{_describe_tasks(cfg, data, too_long if data else 0)}; {ccfg.mode} on {len(controller.backend.devices)} {platform} devices; "
           f"config in {config_file}", flush=True)
     try:
         if resumed:
@@ -268,11 +322,11 @@ def _main(cfg):
                 raise ConfigError(f"{cfg.logdir} holds RL step {controller.step} but no held-out result from "
                                   f"before RL; delete it to start over")
             phases.enter("held-out before")
-            state.save(heldout_before=_evaluate(controller, tokenizer, cfg, rcfg, "before"))
+            state.save(heldout_before=_evaluate(controller, tokenizer, cfg, rcfg, "before", data))
         before = state.data["heldout_before"]
         if "rl_summary" not in state.data or controller.step < ccfg.steps:
             phases.enter("RL")
-            summary = asyncio.run(controller.run(on_step=_evaluation_during_rl(controller, tokenizer, cfg)))
+            summary = asyncio.run(controller.run(on_step=_evaluation_during_rl(controller, tokenizer, cfg, data)))
             state.save(rl_summary=dict(summary, rewards=controller.metrics.rewards, step=controller.step,
                                        ledger_accounts=_ledger(controller, state), ers_moves=list(controller.moves),
                                        ers_refusal_last=controller.ers_history.refused))
@@ -282,7 +336,7 @@ def _main(cfg):
         phases.enter("held-out after")
         if controller.step < ccfg.steps:  # the run stopped early (e.g. the producer failed)
             raise RuntimeError(f"RL ended at step {controller.step} of {ccfg.steps}")
-        after = _evaluate(controller, tokenizer, cfg, rcfg, "after")
+        after = _evaluate(controller, tokenizer, cfg, rcfg, "after", data)
         state.save(heldout_after=after)
         phases.enter("export")
         policy = _export(controller, tokenizer, os.path.join(cfg.logdir, "hf_export"))
@@ -319,6 +373,19 @@ def _main(cfg):
             controller.metrics.close()
             if controller.checkpointer is not None:
                 controller.checkpointer.close()
+
+
+def _describe_tasks(cfg, data, too_long: int) -> str:
+    if data is None:
+        return f"tasks {', '.join(cfg.tasks)}"
+    train = (f"train {cfg.data.train_files} ({len(data.train)} rows)" if data.train is not None
+             else "train: the built-in tasks " + ", ".join(cfg.tasks))
+    held = (f"held-out {cfg.data.heldout_files} ({len(data.heldout)} rows)" if not data.heldout_from_train
+            else f"held-out {data.heldout_from_train} rows of the train files, not trained on")
+    skipped = len(data.errors) + too_long
+    return (f"{train}; {held}; reward {cfg.data.reward_fn}" + (f", environment {cfg.data.env}" if cfg.data.env else "")
+            + (f"; {skipped} rows skipped ({len(data.errors)} malformed, {too_long} too long; the log names them)"
+               if skipped else ""))
 
 
 def _defaults() -> dict:

@@ -43,6 +43,58 @@ def base_config() -> ConfigDict:
     return c
 
 
+# The `data` section: a dataset of the user's instead of the built-in tasks (tiderl_jax/data/, docs/data.md)
+DATA_DEFAULTS = {
+    "train_files": "",  # one path or a comma list (.jsonl, .jsonl.gz, .parquet, reasoning_gym:NAME, ...); "": built-in tasks
+    "heldout_files": "",  # the same; "": eval.tasks rows of the train files are held out (not trained on)
+    "prompt_key": "",  # dotted key of the prompt; "": prompt, else messages
+    "answer_key": "",  # dotted key of the answer; "": reward_model.ground_truth, answer, label
+    "reward_fn": "auto",  # "module:function" / "file.py:function" (veRL's compute_score), or math, code, auto, ...
+    "env": "",  # "module:Class" of a multi-turn environment; "": single-turn, the first reply is scored
+    "reward_timeout_s": 10.0,
+    "shuffle": True,  # a seeded permutation per epoch (False: file order)
+    "system_prompt": "",  # the rollout's system message for dataset tasks; "": the project's tool-use prompt
+}
+
+
+def main_job_sections(c: ConfigDict, *, logdir: str) -> ConfigDict:
+    """Every section `launch/train.py` reads, each key at its default, added to a model preset's config `c`
+    (a preset then sets what it needs: `configs/tiny_agentic.py`, `configs/qwen2_5_0_5b.py`, ...). Each
+    controller / engine / rollout / trainer / loss option is the typed config's field (`section`), so every
+    one can be set with `--config.<section>.<key>=v`."""
+    from tiderl_jax.agents.rollout import RolloutConfig
+    from tiderl_jax.engine.engine import EngineConfig
+    from tiderl_jax.rl.losses import LossConfig
+    from tiderl_jax.rl.trainer import TrainerConfig
+    from tiderl_jax.runtime.controller_config import ControllerConfig
+
+    c.logdir = logdir
+    c.tasks = ("calculator", "lookup")  # the built-in task kinds (unused when data.train_files is set)
+    # "checkpoint": RL starts from config.checkpoint (an HF directory or a .gguf file); "scratch": random
+    # weights and the supervised warm start first (launch/sft.py's rule; the built-in tasks only)
+    c.warm_start = "checkpoint"
+    c.latency = ConfigDict({"median_s": 0.3, "sigma": 1.0, "max_s": 5.0})  # the built-in tools' waiting
+    # the warm start stops once the sampled policy solves `target` of the probe tasks, probed every
+    # `probe_every` steps from `min_steps` on; `steps` is the cap (and the learning-rate schedule's length)
+    c.sft = ConfigDict({"steps": 1200, "batch_size": 32, "learning_rate": 3e-3, "row_len": 576,
+                        "log_every": 25, "target": 0.2, "min_steps": 150, "probe_every": 25, "probe_tasks": 16,
+                        "probe_samples": 4})
+    # held-out evaluation before and after RL: `tasks` held-out tasks (the kinds in turn, or the data's held-out
+    # rows), greedy and sampled; during RL, every `every` updates (0: never), the first `during_tasks` of them,
+    # greedy, on the latest weights (metrics.jsonl's eval_* keys, TensorBoard eval/, reward_curve.png)
+    c.eval = ConfigDict({"tasks": 128, "every": 4, "during_tasks": 32})
+    # the trained policy is exported in HF format to logdir/hf_export/ at the end; True also exports it at
+    # every RL checkpoint (controller.checkpoint_every), to logdir/hf_export_steps/step_N/
+    c.export_every_checkpoint = False
+    c.data = ConfigDict(DATA_DEFAULTS)
+    c.controller = section(ControllerConfig, exclude=("task_kinds",))
+    c.engine = section(EngineConfig)
+    c.rollout = section(RolloutConfig, exclude=("mode", "kv_budget_tokens"))
+    c.trainer = section(TrainerConfig, exclude=("loss", "total_steps", "temperature"))
+    c.loss = section(LossConfig)
+    return c
+
+
 def model_config(c: ConfigDict) -> ModelConfig:
     return ModelConfig.from_dict(c.model.to_dict(), source="config.model")
 
@@ -288,7 +340,6 @@ def check_main_job(c: ConfigDict, num_devices: int | None = None) -> None:
     import os
 
     from tiderl_jax.agents import tasks as task_lib
-    from tiderl_jax.model.hf_io import read_hf_config
 
     kinds = _kinds(c)
     if not kinds:
@@ -322,15 +373,22 @@ def check_main_job(c: ConfigDict, num_devices: int | None = None) -> None:
         raise ConfigError(f"warm_start={warm!r} is not one of {WARM_STARTS}")
     if warm == "checkpoint":
         if not c.checkpoint:
-            raise ConfigError("warm_start='checkpoint' needs config.checkpoint (an HF checkpoint directory); "
-                              "or set --config.warm_start=scratch")
-        if not os.path.isdir(c.checkpoint):
-            raise ConfigError(f"checkpoint={c.checkpoint!r}: no such directory")
+            raise ConfigError("warm_start='checkpoint' needs config.checkpoint (an HF checkpoint directory or a "
+                              ".gguf file); or set --config.warm_start=scratch")
+        if not (os.path.isdir(c.checkpoint) or is_gguf(c.checkpoint)):
+            raise ConfigError(f"checkpoint={c.checkpoint!r}: no such directory or .gguf file")
+    data = c.get("data", None)
+    if data is not None and data.get("train_files", ""):
+        if warm == "scratch":
+            raise ConfigError("warm_start='scratch' trains on the built-in tasks' demonstrations; with "
+                              "data.train_files set, start from a checkpoint (--config.checkpoint=...)")
+        if not data.get("reward_timeout_s", 1.0) > 0:
+            raise ConfigError(f"data.reward_timeout_s={data.reward_timeout_s} must be > 0")
     if warm == "scratch" and c.model.image_patch_dim > 0 and c.model.image_token_id is None:
         from tiderl_jax.model.tokenizer import IMAGE_TOKEN  # a vision model's image token: the tokenizer's
         with c.unlocked():
             c.model.image_token_id = build_tokenizer(c).token_id(IMAGE_TOKEN)
-    model = read_hf_config(c.checkpoint) if warm == "checkpoint" else model_config(c)
+    model = checkpoint_config(c.checkpoint) if warm == "checkpoint" else model_config(c)
     max_pos = model.max_position_embeddings
     try:  # a kind with images needs a model that reads them (ConfigError naming what to set)
         task_lib.image_patch_size(kinds, model.image_patch_dim)
@@ -419,8 +477,8 @@ def apply_platform_settings(c: ConfigDict) -> str:
 
 
 def build_tokenizer(cfg):
-    """The tokenizer of a config: `tokenizer.path` (with `tokenizer.eos_token`), else the checkpoint's
-    (`Tokenizer.from_checkpoint` when it has a tokenizer_config.json: its special tokens and chat template,
+    """The tokenizer of a config: `tokenizer.path` (with `tokenizer.eos_token`), else the checkpoint's (a .gguf
+    file's own: `gguf_io.read_gguf_tokenizer`; an HF directory's `Tokenizer.from_checkpoint` when it has a tokenizer_config.json: its special tokens and chat template,
     and the stop ids of its generation_config.json; a bare tokenizer.json with `tokenizer.eos_token`), else
     the built-in byte tokenizer. ConfigError on a missing or malformed file."""
     import os
@@ -430,6 +488,9 @@ def build_tokenizer(cfg):
     path = cfg.tokenizer.path
     if path:
         return Tokenizer.from_file(path, eos_token=cfg.tokenizer.eos_token)
+    if cfg.checkpoint and is_gguf(cfg.checkpoint):
+        from tiderl_jax.model.gguf_io import open_gguf, read_gguf_tokenizer
+        return read_gguf_tokenizer(open_gguf(cfg.checkpoint))  # with its template and stop ids
     if cfg.checkpoint and os.path.exists(os.path.join(cfg.checkpoint, "tokenizer.json")):
         if os.path.exists(os.path.join(cfg.checkpoint, "tokenizer_config.json")):
             return Tokenizer.from_checkpoint(cfg.checkpoint)  # with its template, special tokens and stop ids
@@ -449,7 +510,12 @@ def build(cfg):
     mesh = make_mesh(cfg.mesh)
     tokenizer = build_tokenizer(cfg)
     model_cfg = model_config(cfg)
-    if cfg.checkpoint:  # the architecture comes from the checkpoint; config.model gives the dtypes
+    if cfg.checkpoint and is_gguf(cfg.checkpoint):  # dequantized onto the mesh
+        from tiderl_jax.model.gguf_io import load_gguf_model, open_gguf, read_gguf_config
+        reader = open_gguf(cfg.checkpoint)
+        model = load_gguf_model(reader, read_gguf_config(reader, dtype=model_cfg.dtype,
+                                                         param_dtype=model_cfg.param_dtype), mesh=mesh, rules=rules)
+    elif cfg.checkpoint:  # the architecture comes from the checkpoint; config.model gives the dtypes
         model = load_hf_checkpoint(cfg.checkpoint, mesh=mesh, rules=rules, dtype=model_cfg.dtype,
                                    param_dtype=model_cfg.param_dtype)
     else:
@@ -458,3 +524,36 @@ def build(cfg):
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
                           f"{model.cfg.vocab_size}; raise config.model.vocab_size")
     return mesh, rules, tokenizer, model
+
+
+def is_gguf(path: str) -> bool:
+    """Whether a checkpoint path names a GGUF file (llama.cpp's format) rather than an HF directory."""
+    import os
+
+    return bool(path) and os.path.isfile(path) and path.endswith(".gguf")
+
+
+def checkpoint_config(path: str) -> ModelConfig:
+    """The architecture of a checkpoint: an HF directory's config.json or a GGUF file's metadata."""
+    if is_gguf(path):
+        from tiderl_jax.model.gguf_io import open_gguf, read_gguf_config
+        return read_gguf_config(open_gguf(path))
+    from tiderl_jax.model.hf_io import read_hf_config
+    return read_hf_config(path)
+
+
+def build_data(cfg):
+    """The `data` section's tasks (`tiderl_jax.data.env.build_data`), or None when it names no files (the
+    built-in tasks). Without held-out files, `eval.tasks` rows of the train files are held out. A dataset or
+    import path that cannot be used is a ConfigError naming the key."""
+    data = cfg.get("data", None)
+    if data is None or not (data.get("train_files", "") or data.get("heldout_files", "")):
+        return None
+    from tiderl_jax.data import datasets, env, rewards
+
+    try:
+        return env.build_data(data, seed=cfg.get("seed", 0), holdout=cfg.eval.tasks)
+    except datasets.DatasetError as e:
+        raise ConfigError(f"data: {e}") from None
+    except rewards.ImportPathError as e:
+        raise ConfigError(f"data.reward_fn / data.env: {e}") from None

@@ -105,6 +105,23 @@ class RolloutConfig:
             raise ValueError(f"footprint_horizon {self.footprint_horizon!r} is not 'task' or 'turn'")
 
 
+def system_prompt(task: Task) -> str:
+    """A task's system message: its own (`Task.data["system_prompt"]`, e.g. a dataset's `data.system_prompt`),
+    else the project's tool-use prompt."""
+    return task.data.get("system_prompt") or SYSTEM_PROMPT
+
+
+def first_prompt(tokenizer: Tokenizer, template: ChatTemplate | None, text: str, system: str = SYSTEM_PROMPT,
+                 images=()) -> tuple[list[chat.Message], chat.EncodedChat]:
+    """A task's first messages (system, user) and the tokens it starts from: their encoding with the generation
+    prompt, in the checkpoint's own template when it ships one (`template`), else the built-in ChatML.
+    ValueError for text the template cannot take."""
+    messages = [chat.Message("system", system), chat.Message("user", text, images=images)]
+    if template is not None:
+        return messages, template.encode(messages, add_generation_prompt=True)
+    return messages, chat.encode(tokenizer, messages, add_generation_prompt=True)
+
+
 @dataclasses.dataclass
 class _TaskState:
     task: Task
@@ -266,14 +283,10 @@ class RolloutRunner:
         except Exception as e:
             return self._fail(traj, s, "env_error", f"reset failed: {type(e).__name__}: {e}")
         try:  # an image the model cannot take, or text that holds image placeholders
-            messages = [chat.Message("system", SYSTEM_PROMPT),
-                        chat.Message("user", first.text, images=self._patches(first))]
-            if self.template is not None:
-                encoded = self.template.encode(messages, add_generation_prompt=True)
-                if hasattr(env, "parse_tool_calls"):  # the model calls tools in its family's format
-                    env.parse_tool_calls = self.template.parse_tool_calls
-            else:
-                encoded = chat.encode(self.tok, messages, add_generation_prompt=True)
+            messages, encoded = first_prompt(self.tok, self.template, first.text, system_prompt(s.task),
+                                   images=self._patches(first))
+            if self.template is not None and hasattr(env, "parse_tool_calls"):  # tools in the family's format
+                env.parse_tool_calls = self.template.parse_tool_calls
         except (RequestError, ValueError) as e:
             return self._fail(traj, s, "engine_error", str(e))
         context = encoded.ids

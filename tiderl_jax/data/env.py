@@ -13,7 +13,8 @@ controller's environment subprocesses (`env_workers`), each loading the paths on
 
 `build_data(cfg, seed)`: the train `TaskSource`, the held-out tasks and the environment factory
 from a config section with `train_files`, `heldout_files`, `prompt_key`, `answer_key`, `reward_fn`,
-`env`, `reward_timeout_s`, `shuffle` (docs/data.md).
+`env`, `reward_timeout_s`, `shuffle`, `system_prompt` (docs/data.md); without held-out files, rows of the
+train files held out (`hold_out`).
 """
 
 from __future__ import annotations
@@ -88,26 +89,54 @@ class DataTasks:
     heldout: tuple[Task, ...]
     make_env: DataEnvFactory
     errors: tuple[datasets.RowError, ...]  # malformed rows of both splits, skipped
+    heldout_from_train: int = 0  # rows of the train files held out (no held-out files were given)
 
 
 def _get(cfg: Any, key: str, default: Any) -> Any:
     return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
 
 
-def build_data(cfg: Any, *, seed: int = 0) -> DataTasks:
+def _with_system(dataset: datasets.Dataset, system: str) -> datasets.Dataset:
+    if not system:
+        return dataset
+    tasks = tuple(dataclasses.replace(t, data={**t.data, "system_prompt": system}) for t in dataset.tasks)
+    return dataclasses.replace(dataset, tasks=tasks)
+
+
+def hold_out(dataset: datasets.Dataset, n: int, *, seed: int = 0) -> tuple[datasets.Dataset, tuple[Task, ...]]:
+    """`n` rows of a train split held out for evaluation (a seeded choice, at most half the rows), the rest to
+    train on: what a run without held-out files evaluates on, never trained."""
+    import random
+
+    n = min(n, len(dataset) // 2)
+    if n <= 0:
+        return dataset, ()
+    chosen = set(random.Random(f"heldout/{seed}").sample(range(len(dataset)), n))
+    held = tuple(dataclasses.replace(t, is_eval=True) for i, t in enumerate(dataset.tasks) if i in chosen)
+    kept = tuple(t for i, t in enumerate(dataset.tasks) if i not in chosen)
+    return dataclasses.replace(dataset, tasks=kept), held
+
+
+def build_data(cfg: Any, *, seed: int = 0, holdout: int = 0) -> DataTasks:
     """The dataset tasks a `data` config section names (a ConfigDict, a dict or an object); each
-    malformed row logged as a warning (file, row, field) and counted in `errors`."""
+    malformed row logged as a warning (file, row, field) and counted in `errors`. Without held-out files,
+    `holdout` rows of the train files are held out (`hold_out`) and not trained on. `system_prompt`, when
+    set, is each task's system message (`Task.data["system_prompt"]`, read by the rollout loop)."""
     make_env = DataEnvFactory(_get(cfg, "reward_fn", "") or "math", _get(cfg, "env", "") or "",
                               float(_get(cfg, "reward_timeout_s", rewards.DEFAULT_TIMEOUT_S)))
     keys = dict(prompt_key=_get(cfg, "prompt_key", "") or "", answer_key=_get(cfg, "answer_key", "") or "",
                 require_answer=not make_env.env)
+    system = _get(cfg, "system_prompt", "") or ""
     train = heldout = None
     if datasets.split_paths(_get(cfg, "train_files", "") or ""):
-        train = datasets.load_dataset(_get(cfg, "train_files", ""), split="train", **keys)
+        train = _with_system(datasets.load_dataset(_get(cfg, "train_files", ""), split="train", **keys), system)
     if datasets.split_paths(_get(cfg, "heldout_files", "") or ""):
-        heldout = datasets.load_dataset(_get(cfg, "heldout_files", ""), split="heldout", **keys)
+        heldout = _with_system(datasets.load_dataset(_get(cfg, "heldout_files", ""), split="heldout", **keys), system)
     errors = tuple(e for d in (train, heldout) if d for e in d.errors)
     for e in errors:
         log.warning("skipped a malformed row: %s", e)
+    held = heldout.tasks if heldout else ()
+    if train is not None and heldout is None and holdout > 0:
+        train, held = hold_out(train, holdout, seed=seed)
     source = train and datasets.TaskSource(train, seed=seed, shuffle=bool(_get(cfg, "shuffle", True)))
-    return DataTasks(source, heldout.tasks if heldout else (), make_env, errors)
+    return DataTasks(source, held, make_env, errors, heldout_from_train=len(held) if heldout is None else 0)

