@@ -61,12 +61,17 @@ def run(updates: int, heldout: int, logdir: str, *, gpu: bool = False, extra: li
             *(["--config.model.dtype=bfloat16"] if gpu else []), *extra]
     t0 = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    shown = []
+    for line in proc.stdout:  # the job's own progress lines (and its RL step lines), as they come
+        if not line[:1] in "WIE" or "RL step" in line or not line[1:5].isdigit():
+            shown.append(line)
+            print(line, end="", flush=True)
+    proc.wait()
     wall = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     if proc.returncode != 0:
-        tail = "\n".join(line for line in proc.stdout.splitlines() if not line[:1] in "WIE" or ":" not in line[:30])
-        raise SystemExit(f"the main job failed (exit {proc.returncode}):\n{tail[-3000:]}")
+        raise SystemExit(f"the main job failed (exit {proc.returncode}):\n{''.join(shown)[-3000:]}")
     log = pathlib.Path(logdir)
     summary = json.loads((log / "summary.json").read_text())
     rows = [json.loads(line) for line in open(log / "metrics.jsonl") if line.strip()]
