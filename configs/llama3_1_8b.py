@@ -7,7 +7,7 @@ Set --config.checkpoint=/path/to/Llama-3.1-8B-Instruct (an HF directory, or a .g
 the same model): the tokenizer, chat template and stop tokens come from it.
 """
 
-from tiderl_jax.config import base_config, main_job_sections
+from tiderl_jax.config import base_config, main_job_sections, one_gpu_host
 
 
 def get_config():
@@ -37,15 +37,7 @@ def get_config():
     # every section launch/train.py reads (tiderl_jax/config.py, main_job_sections): RL from --config.checkpoint on
     # the built-in tool tasks (their tool calls in the checkpoint's own template), or on a dataset of your own
     # (--config.data.train_files=..., docs/data.md). One 8-GPU host: TideRL with device groups of 2 (rollout 2,
-    # train 2), tensor parallelism 4 within a group.
+    # train 2), tensor parallelism 2 within a group.
     main_job_sections(c, logdir="runs/llama3_1_8b")
-    c.controller.update(mode="tiderl", steps=200, groups_per_step=32, group_size=8, max_concurrent=512,
-                        device_group_size=2, rollout_groups=2, ref_groups=0, train_groups=2, tensor=2,
-                        checkpoint_every=20)
-    c.engine.update(page_size=16, num_pages=16384, max_seq_len=8192, max_running=256, prefill_chunk=1024,
-                    prefill_budget=8192, decode_steps=8)
-    c.rollout.update(max_turns=8, max_new_tokens=512, max_context=8192, temperature=1.0)
-    c.trainer.update(learning_rate=1e-6, warmup_steps=10, row_len=8192, micro_rows=4, grad_clip=1.0, weight_decay=0.0)
-    c.loss.update(advantage_estimator="grpo", kl_coef=0.0, clip_low=0.2, clip_high=0.28)
-    c.eval.update(tasks=256, every=20, during_tasks=64)
+    one_gpu_host(c, tensor=2, context=8192)
     return c

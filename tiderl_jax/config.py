@@ -95,6 +95,22 @@ def main_job_sections(c: ConfigDict, *, logdir: str) -> ConfigDict:
     return c
 
 
+def one_gpu_host(c: ConfigDict, *, tensor: int, context: int) -> ConfigDict:
+    """The real-model presets' main-job sizes for one 8-GPU host: TideRL with device groups of 2 (rollout 2,
+    train 2), `tensor` parallelism within a group, contexts of `context` tokens."""
+    c.controller.update(mode="tiderl", steps=200, groups_per_step=32, group_size=8, max_concurrent=512,
+                        device_group_size=2, rollout_groups=2, ref_groups=0, train_groups=2, tensor=tensor,
+                        checkpoint_every=20)
+    c.engine.update(page_size=16, num_pages=16384, max_seq_len=context, max_running=256, prefill_chunk=1024,
+                    prefill_budget=8192, decode_steps=8)
+    c.rollout.update(max_turns=8, max_new_tokens=512, max_context=context, temperature=1.0)
+    c.trainer.update(learning_rate=1e-6, warmup_steps=10, row_len=context, micro_rows=4, grad_clip=1.0,
+                     weight_decay=0.0)
+    c.loss.update(advantage_estimator="grpo", kl_coef=0.0, clip_low=0.2, clip_high=0.28)
+    c.eval.update(tasks=256, every=20, during_tasks=64)
+    return c
+
+
 def model_config(c: ConfigDict) -> ModelConfig:
     return ModelConfig.from_dict(c.model.to_dict(), source="config.model")
 
