@@ -7,10 +7,11 @@ Runs `launch/train.py --config=configs/smollm2_135m_gsm.py` in a subprocess on o
 docstring says why), with `--heldout` GSM8K problems (default 200, `--quick` 16) and `--updates` GRPO updates
 (default 8, `--quick` 2), and reads what the run wrote:
 
-- `heldout_before` / `heldout_after`: greedy accuracy on the GSM8K problems (summary.json); the sampled
-  accuracies and the gain's 95% paired-bootstrap interval are in the extra keys;
+- `heldout_before` / `heldout_after`: greedy accuracy on the GSM8K problems (summary.json); the gain's 95%
+  paired-bootstrap interval is an extra key, and with `--sampled` the accuracies sampled at the rollout
+  temperature too (off by default: it doubles the evaluation's time);
 - `rollout_tokens_per_s`: tokens the engine generated during the held-out evaluation before RL (the model's
-  tokens of every greedy and sampled rollout in rollouts/heldout_before_*.jsonl) over that phase's seconds:
+  tokens of every rollout in rollouts/heldout_before_*.jsonl) over that phase's seconds:
   the engine's throughput at the evaluation's concurrency (engine.max_running), compiles included;
 - `train_step_s`: the median optimizer update's seconds (metrics.jsonl's time_update_s), and `step_s` the
   median whole RL step (rollout, scoring, update, weight sync);
@@ -48,7 +49,8 @@ def _ensure_packages() -> None:
     packages.ensure_reasoning_gym()
 
 
-def run(updates: int, heldout: int, logdir: str, *, gpu: bool = False, extra: list[str] = ()) -> dict:
+def run(updates: int, heldout: int, logdir: str, *, gpu: bool = False, sampled: bool = False,
+        extra: list[str] = ()) -> dict:
     env = dict(os.environ)
     if gpu:
         env.pop("JAX_PLATFORMS", None)
@@ -57,7 +59,7 @@ def run(updates: int, heldout: int, logdir: str, *, gpu: bool = False, extra: li
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     args = [sys.executable, "launch/train.py", "--config=configs/smollm2_135m_gsm.py", f"--config.logdir={logdir}",
             f"--config.controller.steps={updates}", f"--config.eval.tasks={heldout}",
-            f"--config.controller.checkpoint_every={max(updates, 1)}",
+            f"--config.controller.checkpoint_every={max(updates, 1)}", f"--config.eval.sampled={sampled}",
             *(["--config.model.dtype=bfloat16"] if gpu else []), *extra]
     t0 = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -77,7 +79,7 @@ def run(updates: int, heldout: int, logdir: str, *, gpu: bool = False, extra: li
     rows = [json.loads(line) for line in open(log / "metrics.jsonl") if line.strip()]
     steps = [r for r in rows if "time_update_s" in r]
     generated = 0
-    for name in ("greedy", "sampled"):
+    for name in summary["heldout_before"]:
         for line in open(log / "rollouts" / f"heldout_before_{name}.jsonl"):
             generated += sum(json.loads(line)["model_written"])
     before_s = summary["phases_s"]["held-out before"]
@@ -87,8 +89,8 @@ def run(updates: int, heldout: int, logdir: str, *, gpu: bool = False, extra: li
         heldout_tasks=summary["heldout_tasks"],
         heldout_before=summary["heldout_before"]["greedy"]["rate"],
         heldout_after=summary["heldout_after"]["greedy"]["rate"],
-        heldout_before_sampled=summary["heldout_before"]["sampled"]["rate"],
-        heldout_after_sampled=summary["heldout_after"]["sampled"]["rate"],
+        heldout_before_sampled=summary["heldout_before"].get("sampled", {}).get("rate"),
+        heldout_after_sampled=summary["heldout_after"].get("sampled", {}).get("rate"),
         heldout_gain_ci95=summary["heldout_gain_ci95"],
         rollout_tokens_per_s=generated / before_s,
         train_step_s=statistics.median(r["time_update_s"] for r in steps) if steps else None,
@@ -104,6 +106,8 @@ def main():
     parser.add_argument("--updates", type=int, default=None)
     parser.add_argument("--heldout", type=int, default=None)
     parser.add_argument("--gpu", action="store_true", help="run on the accelerator JAX finds, in bfloat16")
+    parser.add_argument("--sampled", action="store_true",
+                        help="also evaluate sampled at the rollout temperature (doubles the evaluation time)")
     parser.add_argument("--logdir", default=None, help="the run's directory (default: a temporary one)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -111,14 +115,15 @@ def main():
     heldout = args.heldout or (16 if args.quick else 200)
     _ensure_packages()
     logdir = args.logdir or tempfile.mkdtemp(prefix="real_model_")
-    row = run(updates, heldout, logdir, gpu=args.gpu)
+    row = run(updates, heldout, logdir, gpu=args.gpu, sampled=args.sampled)
     print(f"{'model':<44} {'updates':>7} {'held-out':>8} {'before':>7} {'after':>7} {'rollout tok/s':>13} "
           f"{'train step s':>12} {'peak RSS GiB':>12}")
     print(f"{row['model']:<44} {row['updates']:>7} {row['heldout_tasks']:>8} {row['heldout_before']:>7.3f} "
           f"{row['heldout_after']:>7.3f} {row['rollout_tokens_per_s']:>13.1f} {row['train_step_s'] or 0:>12.1f} "
           f"{row['peak_rss_gib']:>12.2f}")
-    print(f"sampled accuracy {row['heldout_before_sampled']:.3f} -> {row['heldout_after_sampled']:.3f}; greedy gain 95% CI "
-          f"{row['heldout_gain_ci95']}; whole RL step {row['step_s']}s; phases {row['phases_s']}; run in {logdir}")
+    if row["heldout_before_sampled"] is not None:
+        print(f"sampled accuracy {row['heldout_before_sampled']:.3f} -> {row['heldout_after_sampled']:.3f}")
+    print(f"greedy gain 95% CI {row['heldout_gain_ci95']}; whole RL step {row['step_s']}s; phases {row['phases_s']}; run in {logdir}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([row], f, indent=1)

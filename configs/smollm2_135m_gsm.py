@@ -35,7 +35,8 @@ def get_config():
                   # each row says how to give its answer (reasoning-gym: <answer> tags; GSM8K: after "####"), and
                   # both rewards read either
                   system_prompt="You are a helpful assistant. Think step by step.")
-    c.eval.update(tasks=200, every=0, during_tasks=32)
+    # greedy only: on this CPU each held-out pass over 200 problems takes about 25 minutes
+    c.eval.update(tasks=200, every=0, during_tasks=32, sampled=False)
     c.controller.update(mode="sync", steps=8, groups_per_step=4, group_size=4, max_concurrent=32, tensor=1,
                         checkpoint_every=4)
     c.engine.update(page_size=16, num_pages=1024, max_seq_len=512, max_running=64, prefill_chunk=512,

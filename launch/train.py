@@ -121,7 +121,7 @@ def _heldout(cfg, data, n: int):
 
 
 def _evaluate(controller, tokenizer, cfg, rollout, when: str, data=None) -> dict:
-    """Held-out success, greedy and sampled, on the pooled held-out tasks of the built-in kinds or the dataset's
+    """Held-out success, greedy and (`eval.sampled`) sampled, on the pooled held-out tasks of the built-in kinds or the dataset's
     held-out rows (`_heldout`);
     the rollouts themselves go to `rollouts/heldout_<when>_<greedy|sampled>.jsonl`, decoded."""
     import dataclasses
@@ -131,7 +131,7 @@ def _evaluate(controller, tokenizer, cfg, rollout, when: str, data=None) -> dict
     from tiderl_jax.rl import evaluate
 
     out = {}
-    for name, temperature in (("greedy", 0.0), ("sampled", rollout.temperature)):
+    for name, temperature in evaluation_modes(cfg, rollout):
         t0 = time.perf_counter()
         config = dataclasses.replace(rollout, temperature=temperature, mode="request", seed=cfg.seed + 7)
         tasks = _heldout(cfg, data, cfg.eval.tasks)
@@ -146,6 +146,11 @@ def _evaluate(controller, tokenizer, cfg, rollout, when: str, data=None) -> dict
         print(f"held-out {when} ({name}): {run_report.count_rate(rewards)} solved, mean reward "
               f"{sum(rewards) / len(rewards):.3f} [{format_seconds(time.perf_counter() - t0)}]", flush=True)
     return out
+
+
+def evaluation_modes(cfg, rollout) -> tuple[tuple[str, float], ...]:
+    """The held-out evaluation's (name, temperature) pairs: greedy, and sampled unless `eval.sampled` is off."""
+    return (("greedy", 0.0),) + ((("sampled", rollout.temperature),) if cfg.eval.get("sampled", True) else ())
 
 
 def _evaluation_during_rl(controller, tokenizer, cfg, data=None):
@@ -412,7 +417,7 @@ def _report(cfg, ccfg, controller, summary, before, after, phases, compiles, pla
     from tiderl_jax.runtime import plots
 
     gains = {name: stats.paired_bootstrap(before[name]["rewards"], after[name]["rewards"], seed=cfg.seed)
-             for name in ("greedy", "sampled")}
+             for name in before}
     metrics = controller.metrics
     png = metrics.plot_timeline(os.path.join(cfg.logdir, "timeline.png"), mode=ccfg.mode,
                                 title=f"{controller.step} RL updates; the phases of this invocation above",

@@ -149,6 +149,34 @@ def test_the_summary_gives_counts_beside_rates_and_names_both_clocks():
     json.dumps(out)
 
 
+def test_a_greedy_only_evaluation_is_summarised_and_plotted_without_the_sampled_rows(tmp_path):
+    """eval.sampled=false: the held-out results have only "greedy"; the table, summary.json and learning.png
+    show that and nothing of "sampled"."""
+    from tiderl_jax.runtime import plots
+
+    before = {"greedy": {"kinds": ["gsm8k"] * 4, "rewards": [1.0, 0.0, 0.0, 0.0]}}
+    after = {"greedy": {"kinds": ["gsm8k"] * 4, "rewards": [1.0, 1.0, 0.0, 0.0]}}
+    common = dict(rl=_rl(), before=before, after=after, gains={"greedy": (0.25, 0.0, 0.5)},
+                  phases_s={"RL": 41.0}, total_s=60.0, compiles=(10, 2.0))
+    rows = dict(run_report.summary_rows(mode="sync", batch_samples=4, files={}, **common))
+    assert rows["held-out greedy"].startswith("1/4 (0.250) -> 2/4 (0.500)")
+    assert not any("sampled" in k for k in rows)
+    out = run_report.summary_json(devices=1, platform="cpu", files={}, **common)
+    assert out["heldout_gain"] == 0.25 and "heldout_gain_sampled" not in out and list(out["heldout_before"]) == ["greedy"]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "reward": r}) + "\n" for i, r in enumerate([0.2, 0.4], 1)))
+    titles = []
+    from matplotlib.axes import Axes
+    original = Axes.set_title
+    Axes.set_title = lambda self, text, *a, **k: (titles.append(text), original(self, text, *a, **k))[1]
+    try:
+        path = plots.learning_curves(str(metrics), before, after, common["gains"], str(tmp_path / "learning.png"))
+    finally:
+        Axes.set_title = original
+    assert (tmp_path / "learning.png").stat().st_size > 0 and path.endswith("learning.png")
+    assert any("greedy +0.250 [+0.000, +0.500]" in t for t in titles) and not any("sampled" in t for t in titles)
+
+
 def test_the_phases_are_drawn_on_the_run_metrics_clock(tmp_path, monkeypatch):
     from matplotlib.axes import Axes
 

@@ -80,9 +80,10 @@ def main_job_sections(c: ConfigDict, *, logdir: str) -> ConfigDict:
                         "log_every": 25, "target": 0.2, "min_steps": 150, "probe_every": 25, "probe_tasks": 16,
                         "probe_samples": 4})
     # held-out evaluation before and after RL: `tasks` held-out tasks (the kinds in turn, or the data's held-out
-    # rows), greedy and sampled; during RL, every `every` updates (0: never), the first `during_tasks` of them,
-    # greedy, on the latest weights (metrics.jsonl's eval_* keys, TensorBoard eval/, reward_curve.png)
-    c.eval = ConfigDict({"tasks": 128, "every": 4, "during_tasks": 32})
+    # rows), greedy and (`sampled`) at the rollout temperature; during RL, every `every` updates (0: never), the
+    # first `during_tasks` of them, greedy, on the latest weights (metrics.jsonl's eval_* keys, TensorBoard eval/,
+    # reward_curve.png)
+    c.eval = ConfigDict({"tasks": 128, "every": 4, "during_tasks": 32, "sampled": True})
     # the trained policy is exported in HF format to logdir/hf_export/ at the end; True also exports it at
     # every RL checkpoint (controller.checkpoint_every), to logdir/hf_export_steps/step_N/
     c.export_every_checkpoint = False

@@ -125,7 +125,7 @@ def summary_rows(*, mode: str, rl: dict, batch_samples: int, before: dict, after
                  phases_s: dict, total_s: float, compiles: tuple[int, float], files: dict) -> list[tuple[str, str]]:
     """The printed table: (row name, text) pairs. `rl`: the RL record (the controller's summary with
     `rewards`, `step`, `ledger_accounts`, `ers_moves`, `ers_refusal_last`); `before` / `after`:
-    {"greedy"|"sampled": heldout_results}; `gains`: {name: (mean, low, high)}; `files`: {row: text}."""
+    {"greedy"[, "sampled"]: heldout_results}; `gains`: {name: (mean, low, high)}; `files`: {row: text}."""
     rewards = rl.get("rewards") or [float("nan")]
     k = max(1, len(rewards) // 4)
     rows = [("mode", mode),
@@ -133,7 +133,7 @@ def summary_rows(*, mode: str, rl: dict, batch_samples: int, before: dict, after
                         f"at step {rl.get('step', rl['steps'])}"),
             ("train reward", f"first quarter of the updates {sum(rewards[:k]) / k:.3f}, last quarter "
                              f"{sum(rewards[-k:]) / k:.3f}")]
-    for name in ("greedy", "sampled"):
+    for name in before:
         d, lo, hi = gains[name]
         b, a = before[name], after[name]
         nb, na = heldout_numbers(b), heldout_numbers(a)
@@ -177,7 +177,8 @@ def summary_json(*, rl: dict, before: dict, after: dict, gains: dict, phases_s: 
         heldout_success_after={k: heldout_numbers(v)["rate"] for k, v in after.items()},
         heldout_by_kind_before={k: by_kind(v) for k, v in before.items()},
         heldout_by_kind_after={k: by_kind(v) for k, v in after.items()},
-        heldout_gain=d, heldout_gain_ci95=[lo, hi], heldout_gain_sampled=gains["sampled"][0],
-        heldout_gain_sampled_ci95=list(gains["sampled"][1:]), compiled_programs=compiles[0],
+        heldout_gain=d, heldout_gain_ci95=[lo, hi], compiled_programs=compiles[0],
         compile_s=compiles[1], devices=devices, platform=platform, files=files)
+    if "sampled" in gains:  # eval.sampled
+        out.update(heldout_gain_sampled=gains["sampled"][0], heldout_gain_sampled_ci95=list(gains["sampled"][1:]))
     return out

@@ -35,7 +35,8 @@ def _mean(xs):
 
 def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, path: str) -> str:
     """Writes the PNG (module docstring); `before` / `after`: {"greedy"|"sampled": heldout_results},
-    `gains`: {"greedy"|"sampled": (mean, low, high)}. Returns the path."""
+    `gains`: {"greedy"|"sampled": (mean, low, high)}; "sampled" is absent when `eval.sampled` is off. Returns the
+    path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,15 +59,15 @@ def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, 
 
     kinds = sorted(set(before["greedy"]["kinds"]))
     groups = ["all"] + kinds if len(kinds) > 1 else ["all"]
-    width = 0.2
-    for j, (name, when, results) in enumerate((("greedy", "before", before), ("greedy", "after", after),
-                                               ("sampled", "before", before), ("sampled", "after", after))):
+    bars = [(name, when, results) for name in before for when, results in (("before", before), ("after", after))]
+    width = 0.8 / len(bars)
+    for j, (name, when, results) in enumerate(bars):
         r = results[name]
         vals = []
         for g in groups:
             xs = [x for x, k in zip(r["rewards"], r["kinds"]) if g == "all" or k == g]
             vals.append(_mean(xs))
-        xs = [i + (j - 1.5) * width for i in range(len(groups))]
+        xs = [i + (j - (len(bars) - 1) / 2) * width for i in range(len(groups))]
         color = {"greedy": "tab:green", "sampled": "tab:orange"}[name]
         right.bar(xs, vals, width, color=color, alpha=0.45 if when == "before" else 0.95,
                   label=f"{name} {when}")
@@ -76,10 +77,8 @@ def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, 
     right.grid(axis="y", alpha=0.3)
     right.legend(fontsize=8, ncol=2)
     n = len(before["greedy"]["rewards"])
-    d, lo, hi = gains["greedy"]
-    ds, los, his = gains["sampled"]
-    right.set_title(f"held-out success, {n} tasks; gain after - before [95% CI]:\n"
-                    f"greedy {d:+.3f} [{lo:+.3f}, {hi:+.3f}], sampled {ds:+.3f} [{los:+.3f}, {his:+.3f}]", fontsize=9)
+    right.set_title(f"held-out success, {n} tasks; gain after - before [95% CI]:\n" + ", ".join(
+        f"{name} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]" for name, (d, lo, hi) in gains.items()), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
