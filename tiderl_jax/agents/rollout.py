@@ -1,9 +1,11 @@
 """The multi-turn rollout loop, with Continuous Task Batching (CTB) or the request-level baseline.
 
 Many tasks run at once (asyncio). Each task alternates an engine turn (the model writes until its
-end-of-turn token or the per-turn budget) and an environment step (real waiting time). One driver
-coroutine owns the engine: tasks send it commands (submit, resume, release, ...) which it applies
-between engine steps; each step runs in a worker thread so environments keep running meanwhile.
+end-of-turn token or the per-turn budget) and an environment step (real waiting time). Every turn goes
+through the rollout service (`serving.service.RolloutService`: one engine, or N replicas behind a router):
+each task is a session, the router places each of its turns (back on the replica holding its KV unless the
+policy decides otherwise), and one driver coroutine per replica applies the commands (submit, resume,
+release, ...) between engine steps; each step runs in a worker thread so environments keep running meanwhile.
 
 ```
 task:   admit ─► turn ─► env_wait ─► ready ─► turn ─► ... ─► done
@@ -41,14 +43,14 @@ Failures: an environment exception or timeout ends the task (`env_error` / `env_
 the reason recorded; a dataset task's reward function that raises or times out: `reward_error` /
 `reward_timeout`, `data/rewards.py`); a refused engine request ends it with `engine_error`. Other tasks go on.
 An exception from the engine's step itself (a bad kernel choice, device out of memory, a compile
-error) ends the engine for every task: the driver records it, every pending turn and command fails
-with `EngineFailed` (naming the original error), and so does any later command; nothing waits forever.
+error) ends that engine: with other replicas alive the service re-routes its turns (their KV recomputed);
+with none left, every pending turn and command fails with `EngineFailed` (naming the original error), and
+so does any later command; nothing waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
@@ -69,15 +71,9 @@ from tiderl_jax.model.chat_template import ChatTemplate
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.model.vision import ImageSpan
 from tiderl_jax.policies import ctb
+from tiderl_jax.serving.service import EngineFailed, EngineReplica, RolloutService  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-
-
-class EngineFailed(RuntimeError):
-    """The engine's step raised: the engine is unusable, so every turn and command fails with this.
-    `fatal`: the run cannot go on (the controller stops rather than fail every later sample)."""
-
-    fatal = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +101,12 @@ class RolloutConfig:
             raise ValueError(f"footprint_horizon {self.footprint_horizon!r} is not 'task' or 'turn'")
 
 
+def workload_class(task: Task, config: RolloutConfig) -> str:
+    """A task's workload class for the router (`policies.routing.CLASSES`): its own
+    (`Task.data["workload_class"]`), else `agentic` when it may take several turns, `rlvr` when one."""
+    return task.data.get("workload_class") or ("agentic" if config.max_turns > 1 else "rlvr")
+
+
 def system_prompt(task: Task) -> str:
     """A task's system message: its own (`Task.data["system_prompt"]`, e.g. a dataset's `data.system_prompt`),
     else the project's tool-use prompt."""
@@ -130,7 +132,7 @@ class _TaskState:
     sample: int = 0  # which of the group's samples of this task (its own sampling seed)
     temperature: float = 1.0  # its sampling temperature and seed (`submit`: the config's by default)
     seed: int = 0
-    handle: int | None = None
+    session: int = 0  # its session in the rollout service
     active: bool = False  # generating (or about to)
     context_len: int = 0
     turns_done: int = 0
@@ -142,98 +144,13 @@ class _TaskState:
     restart: bool = False  # the next turn starts a fresh engine sequence (after a rewind)
 
 
-class _Driver:
-    """Owns the engine: applies queued commands between steps, reports ended turns to waiters."""
-
-    def __init__(self, engine: Engine, before_step: Callable[[], None],
-                 on_turn_end: Callable[[int], None], step_span=None):
-        self.engine = engine
-        self.step_span = step_span or contextlib.nullcontext  # wraps each engine step (metrics)
-        self.before_step = before_step
-        self.on_turn_end = on_turn_end  # runs before the next step (CTB pins the KV here)
-        self._commands: list = []
-        self._waiters: dict[int, asyncio.Future] = {}
-        self._wake = asyncio.Event()
-        self.stop = False
-        self.error: BaseException | None = None  # what the engine's step raised; the driver has ended
-
-    def command(self, fn: Callable[[], object], wait_turn: bool = False) -> asyncio.Future:
-        """Queues fn (run between steps). With wait_turn, the future gets the SequenceOutput of the
-        turn fn starts (fn must return its handle); otherwise fn's result. After an engine failure
-        the future has already failed with `EngineFailed`."""
-        fut = asyncio.get_running_loop().create_future()
-        if self.error is not None:
-            fut.set_exception(self._failed())
-            return fut
-        self._commands.append((fn, wait_turn, fut))
-        self._wake.set()
-        return fut
-
-    def _failed(self) -> EngineFailed:
-        e = EngineFailed(f"rollout engine step failed: {type(self.error).__name__}: {self.error}")
-        e.__cause__ = self.error
-        return e
-
-    def _fail_all(self, error: BaseException):
-        """The engine's step raised: every waiting turn and queued command fails with it."""
-        self.error = error
-        log.error("rollout engine step failed (%s: %s); failing every pending turn", type(error).__name__, error)
-        pending = [fut for _, _, fut in self._commands] + list(self._waiters.values())
-        self._commands, self._waiters = [], {}
-        for fut in pending:
-            if not fut.done():
-                fut.set_exception(self._failed())
-
-    def _apply(self):
-        commands, self._commands = self._commands, []
-        for fn, wait_turn, fut in commands:
-            try:
-                result = fn()
-            except Exception as e:  # a refused request fails its task, not the run
-                fut.set_exception(e)
-                continue
-            if wait_turn:
-                self._waiters[result] = fut
-            else:
-                fut.set_result(result)
-
-    async def run(self):
-        while not self.stop:
-            self._apply()
-            try:
-                stepped = await self._step()
-            except Exception as e:  # noqa: BLE001 - the engine is broken: fail its waiters, never hang them
-                self._fail_all(e)
-                return
-            if not stepped:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.01)
-                except asyncio.TimeoutError:
-                    pass
-
-    async def _step(self) -> bool:
-        """One engine step, if it has work (False if not); the turns it ended go to their waiters."""
-        if not self.engine.has_work():
-            return False
-        self.before_step()
-        with self.step_span():
-            ended = await asyncio.to_thread(self.engine.step)
-        for h in ended:
-            fut = self._waiters.pop(h, None)
-            if fut is not None:
-                self.on_turn_end(h)
-            if fut is not None and not fut.done():
-                try:
-                    fut.set_result(self.engine.get(h))
-                except Exception as e:  # noqa: BLE001 - e.g. an engine worker refused it: that task fails
-                    fut.set_exception(e)
-        return True
-
-
 class RolloutRunner:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: RolloutConfig = RolloutConfig()):
-        self.engine = engine
+    """Runs tasks to their end through a rollout service: `engine` is one `Engine` (a one-replica service
+    with the default router) or a `RolloutService` of N replicas."""
+
+    def __init__(self, engine: Engine | RolloutService, tokenizer: Tokenizer, config: RolloutConfig = RolloutConfig()):
+        self.service = engine if isinstance(engine, RolloutService) else RolloutService([engine])
+        self._sessions = 0
         self.tok = tokenizer
         self.template = ChatTemplate.for_tokenizer(tokenizer)  # None: the built-in ChatML
         self.config = config
@@ -246,35 +163,43 @@ class RolloutRunner:
         self._samples: dict[tuple[str, int], int] = {}  # (task id, group) -> samples submitted
         self.step_span = None  # optional: a context manager factory wrapping each engine step
 
+    @property
+    def engine(self) -> Engine:
+        """The first replica's engine (the only one of a one-engine runner)."""
+        return self.service.replicas[0].engine
+
     # ------------------------------------------------------------------ CTB signals
 
-    def _signals(self, s: _TaskState) -> ctb.TaskKVSignals:
+    def _signals(self, s: _TaskState, engine: Engine | None = None, handle: int | None = None) -> ctb.TaskKVSignals:
         waited = time.perf_counter() - s.wait_started
         return ctb.TaskKVSignals(
-            task_id=s.handle if s.handle is not None else -1, is_eval=s.task.is_eval,
+            task_id=handle if handle is not None else -1, is_eval=s.task.is_eval,
             group_completion=self._group_done.get(s.group, 0) / self._group_sizes[s.group],
-            is_active=s.active, context_len=self.engine.num_kv_tokens(s.handle) if s.handle is not None else 0,
+            is_active=s.active, context_len=engine.num_kv_tokens(handle) if handle is not None else 0,
             expected_wait_s=0.0 if s.active else max(0.0, s.latency.mean_s() - waited))
 
-    def _relieve_pressure(self):
-        """CTB: evict waiting tasks' KV when free KV cannot hold the generating tasks' next turns."""
+    def _relieve_pressure(self, rep: EngineReplica):
+        """CTB: evict waiting tasks' KV on this replica when its free KV cannot hold the next turns of the tasks
+        generating there."""
         if self.config.mode != "ctb":
             return
-        live = [s for s in self._states.values() if not s.done and s.handle is not None]
-        ps = self.engine.config.page_size
-        need = sum(self.engine.pending_kv_tokens(s.handle) + ps for s in live if s.active)
-        shortfall = need - self.engine.free_kv_tokens()
+        eng = rep.engine
+        live = [(s, rep.sessions[s.session]) for s in self._states.values()
+                if not s.done and s.session in rep.sessions]
+        ps = eng.config.page_size
+        need = sum(eng.pending_kv_tokens(h) + ps for s, h in live if s.active)
+        shortfall = need - eng.free_kv_tokens()
         if shortfall <= 0:
             return
-        waiting = [self._signals(s) for s in live if not s.active]
+        waiting = [self._signals(s, eng, h) for s, h in live if not s.active]
         for handle in ctb.choose_evictions(waiting, shortfall, weights=self.config.weights,
                                            readiness_aware=self.config.readiness_aware):
-            self.engine.evict(handle)
+            eng.evict(handle)
             self.metrics["ctb_evictions"] += 1
 
     # ------------------------------------------------------------------ one task
 
-    async def _run_task(self, driver: _Driver, s: _TaskState, env: Environment,
+    async def _run_task(self, s: _TaskState, env: Environment,
                         admission: "_Admission", env_slots: asyncio.Semaphore) -> Trajectory:
         cfg = self.config
         traj = Trajectory(s.task.task_id, s.task.kind, s.group, info={"sample": s.sample})
@@ -314,7 +239,7 @@ class RolloutRunner:
                 s.active = True
                 t0 = time.perf_counter()
                 try:
-                    out = await self._engine_turn(driver, s, traj, turn, sampling)
+                    out = await self._engine_turn(s, traj, turn, sampling)
                 except RequestError as e:
                     return self._fail(traj, s, "engine_error", str(e))
                 gen_s = time.perf_counter() - t0
@@ -332,7 +257,7 @@ class RolloutRunner:
                         result = await asyncio.wait_for(env.step(text), cfg.env_timeout_s)
                 except EnvRewound as r:  # the environment crashed and came back at turn r.turn
                     try:
-                        self._rewind(driver, s, traj, marks, r.turn)
+                        self._rewind(s, traj, marks, r.turn)
                     except ValueError as e:
                         return self._fail(traj, s, "env_error", str(e))
                     del messages[2 + 2 * r.turn:]  # system, user, then (assistant, tool) per turn
@@ -375,10 +300,10 @@ class RolloutRunner:
             self.metrics["completed"] += 1
             return traj
         finally:
-            self._finish(driver, s)
+            self._finish(s, len(traj.tokens))
             admission.release(s)
 
-    def _rewind(self, driver: _Driver, s: _TaskState, traj: Trajectory, marks: list[int], turn: int):
+    def _rewind(self, s: _TaskState, traj: Trajectory, marks: list[int], turn: int):
         """Cuts the trajectory back to just after environment step `turn`'s observation (0: the
         prompt) and drops the engine's sequence: the next turn is a fresh request over what is left
         (its KV recomputed, or found in the prefix cache)."""
@@ -394,9 +319,7 @@ class RolloutRunner:
         s.turns_done, s.tokens_added = turn, keep - marks[0]
         s.restart = True
         self.metrics["rewinds"] += 1
-        if s.handle is not None:
-            self._release(driver, s.handle)
-            s.handle = None
+        self.service.release(s.session)
 
     def _patches(self, obs: Observation) -> tuple[np.ndarray, ...]:
         """The observation's raw images as the model's patches; RequestError when it takes none."""
@@ -442,61 +365,47 @@ class RolloutRunner:
         return ctb.estimate_footprint(context_len, s.turns_done, s.tokens_added,
                                       initial_growth=cfg.initial_growth, margin_turns=margin)
 
-    async def _engine_turn(self, driver, s, traj, turn, sampling) -> SequenceOutput:
-        eng = self.engine
-        if self.config.mode == "ctb":
-            if turn == 0 or s.restart:
-                s.restart = False  # (after a rewind: the seeded stream goes on where it was)
-                req = Request(list(traj.tokens), sampling, keep_kv=True, images=list(traj.images),
-                              priority=ctb.task_priority(self._signals(s), self.config.weights),
-                              sample_offset=sum(traj.loss_mask))
+    async def _engine_turn(self, s: _TaskState, traj: Trajectory, turn: int, sampling: SamplingParams
+                           ) -> SequenceOutput:
+        """One turn through the service. CTB: the first turn (or the first after a rewind or a move) submits the
+        whole context and keeps its KV; a later one resumes on the replica holding it, prefilling only the
+        observation. Request-level: every turn submits the whole context (the prefix cache may hit)."""
+        context, images = list(traj.tokens), list(traj.images)  # absolute offsets
+        ctb_mode = self.config.mode == "ctb"
+        if ctb_mode:
+            def submit(eng: Engine) -> int:
+                return eng.submit(Request(context, sampling, keep_kv=True, images=images,
+                                          priority=ctb.task_priority(self._signals(s), self.config.weights),
+                                          sample_offset=sum(traj.loss_mask)))
+        else:
+            def submit(eng: Engine) -> int:
+                return eng.submit(Request(context, sampling, images=images))
+        obs, obs_images = s.pending_obs, s.pending_images
 
-                def first():
-                    s.handle = eng.submit(req)
-                    return s.handle
-                return await driver.command(first, wait_turn=True)
-            obs, images = s.pending_obs, s.pending_images
-
-            def resume():
-                eng.unpin(s.handle)
-                eng.resume(s.handle, obs, sampling=sampling, images=images)
-                return s.handle
-            return await driver.command(resume, wait_turn=True)
-        req = Request(list(traj.tokens), sampling, images=list(traj.images))  # absolute offsets
-
-        def submit():
-            if s.handle is not None:
-                eng.forget(s.handle)
-            s.handle = eng.submit(req)
-            return s.handle
-        return await driver.command(submit, wait_turn=True)
+        def resume_here(eng: Engine, handle: int) -> int:
+            eng.unpin(handle)
+            eng.resume(handle, obs, sampling=sampling, images=obs_images)
+            return handle
+        resume = resume_here if ctb_mode and turn > 0 and not s.restart else None
+        s.restart = False  # (after a rewind: the seeded stream goes on where it was)
+        cfg = self.config
+        left = self._group_sizes[s.group] - self._group_done.get(s.group, 0)
+        remaining = ctb.expected_remaining_turns(s.turns_done, self._finished_turns, cfg.max_turns)
+        _, out = await self.service.turn(s.session, tokens=context, submit=submit, resume=resume,
+                                         cls=workload_class(s.task, cfg), turn=turn,
+                                         group_remaining_turns=max(0.0, remaining) * left)
+        return out
 
     def _fail(self, traj: Trajectory, s: _TaskState, reason: str, detail: str) -> Trajectory:
         traj.end_reason, traj.failure, traj.reward = reason, detail, 0.0
         self.metrics["failed"] += 1
         return traj
 
-    def _finish(self, driver: _Driver, s: _TaskState):
+    def _finish(self, s: _TaskState, kv_tokens: int):
         s.done = True
         self._finished_turns.append(s.turns_done + 1)
         self._group_done[s.group] = self._group_done.get(s.group, 0) + 1
-        if s.handle is not None:
-            self._release(driver, s.handle)
-
-    def _release(self, driver: _Driver, h: int):
-        """Ends the engine's sequence `h` (its KV freed, full blocks kept in the prefix cache)."""
-        def end():
-            try:
-                out = self.engine.get(h)
-            except RequestError:  # already gone (a task cancelled while its next turn was queued)
-                return
-            if out.status.value == "paused":
-                self.engine.release(h)
-            elif out.status.value in ("waiting", "prefilling", "running"):
-                self.engine.abort(h)
-            self.engine.forget(h)
-        # nobody awaits it: after an engine failure its EngineFailed is read here, not logged as unread
-        driver.command(end).add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.service.end_session(s.session, workload_class(s.task, self.config), kv_tokens)
 
     # ------------------------------------------------------------------ many tasks
 
@@ -517,12 +426,12 @@ class RolloutRunner:
         """Starts the engine driver; tasks then come in one by one with `submit` (a controller that
         admits tasks as capacity frees up), until `stop`."""
         self._make_env, self._latency_of = make_env, latency_of
-        pin = self.engine.pin if self.config.mode == "ctb" else (lambda h: None)
-        self._driver = _Driver(self.engine, self._relieve_pressure, pin, self.step_span)
-        budget = self.config.kv_budget_tokens or (self.engine.pool.num_pages - 1) * self.engine.config.page_size
+        pin = (lambda rep, h: rep.engine.pin(h)) if self.config.mode == "ctb" else (lambda rep, h: None)
+        await self.service.start(self._relieve_pressure, pin, self.step_span)
+        budget = self.config.kv_budget_tokens or sum((e.pool.num_pages - 1) * e.config.page_size
+                                                     for e in self.service.engines)
         self._admission = _Admission(budget if self.config.mode == "ctb" else None)
         self._env_slots = asyncio.Semaphore(self.config.env_concurrency)
-        self._loop_task = asyncio.create_task(self._driver.run())
 
     async def submit(self, task: Task, group: int, *, expected_group_size: int | None = None,
                      sample: int | None = None, temperature: float | None = None,
@@ -537,27 +446,26 @@ class RolloutRunner:
             sample = self._samples.get((task.task_id, group), 0)
         self._samples[(task.task_id, group)] = max(sample + 1, self._samples.get((task.task_id, group), 0))
         cfg = self.config
+        self._sessions += 1
         st = _TaskState(task, group, self._latency_of(task), sample=sample,
                         temperature=cfg.temperature if temperature is None else temperature,
-                        seed=cfg.seed if seed is None else seed)
+                        seed=cfg.seed if seed is None else seed, session=self._sessions)
         self._states[id(st)] = st
         env = self._make_env(task)
         try:
-            return await self._run_task(self._driver, st, env, self._admission, self._env_slots)
+            return await self._run_task(st, env, self._admission, self._env_slots)
         finally:
             del self._states[id(st)]
             if hasattr(env, "close"):  # e.g. an environment subprocess
                 env.close()
 
     def command(self, fn: Callable[[], object]) -> asyncio.Future:
-        """Runs `fn` between engine steps (e.g. a weight update); the future gets its result."""
-        return self._driver.command(fn)
+        """Runs `fn` between engine steps of the first replica (e.g. a weight update); the future gets its
+        result. `service.command_all` runs one on every replica."""
+        return self.service.command(fn)
 
     async def stop(self) -> None:
-        while self._driver._commands:  # let the final releases land
-            await asyncio.sleep(0.005)
-        self._driver.stop = True
-        await self._loop_task
+        await self.service.stop()
 
 
 class _Admission:

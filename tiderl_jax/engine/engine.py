@@ -251,6 +251,35 @@ class Engine:
         """Tokens of KV obtainable without preempting anyone (free + evictable cached pages)."""
         return self.pool.num_free * self.config.page_size
 
+    def load(self) -> dict:
+        """What a router reads of this engine, in one pass: `running` (prefilling or decoding) and `waiting`
+        sequences, `queued_tokens` (context of the waiting ones not computed yet) and `pinned_kv_tokens` (KV held
+        by pinned sequences: tasks waiting on a tool)."""
+        out = dict(running=0, waiting=0, queued_tokens=0, pinned_kv_tokens=0)
+        for s in self._seqs.values():
+            if s.status in (Status.PREFILLING, Status.RUNNING):
+                out["running"] += 1
+            elif s.status == Status.WAITING:
+                out["waiting"] += 1
+                out["queued_tokens"] += len(s.tokens) - s.num_computed
+            if s.pinned and s.pages:
+                out["pinned_kv_tokens"] += s.num_computed
+        return out
+
+    def cached_prefix_tokens(self, tokens: Sequence[int]) -> int:
+        """Tokens at the start of `tokens` whose KV this engine's prefix cache holds now (whole blocks, never the
+        last token, as a submit would find them; text only: blocks holding images are not matched). Reads the
+        cache without touching it (no LRU refresh, no reference taken)."""
+        if not self.config.enable_prefix_cache:
+            return 0
+        ps, parent, hits = self.config.page_size, None, 0
+        for i in range((len(tokens) - 1) // ps):
+            key = block_key(parent, tokens[i * ps:(i + 1) * ps], self._cache_version(), b"")
+            if not self.pool.contains(key):
+                break
+            parent, hits = key, hits + 1
+        return hits * ps
+
     def pin(self, handle: int) -> None:
         """Exempts the sequence's KV from preemption (a task waiting on a tool keeps its context)."""
         self._get(handle).pinned = True

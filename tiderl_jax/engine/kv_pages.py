@@ -103,6 +103,10 @@ class PagePool:
             else:
                 self._free.append(page)
 
+    def contains(self, key: bytes) -> bool:
+        """Whether block `key` is cached (nothing taken, the LRU order unchanged)."""
+        return key in self._key_to_page
+
     def lookup(self, key: bytes) -> int | None:
         """The page holding block `key`, with a new reference taken; None on a miss."""
         page = self._key_to_page.get(key)
