@@ -177,3 +177,94 @@ def test_bad_service_configs_are_named():
         ServiceConfig(policy="nope")
     with pytest.raises(ValueError, match="at least one engine"):
         RolloutService([])
+
+
+# ---------------------------------------------------------------- the controller through the service
+
+class ParityEnv:
+    """One turn; reward 1 for a reply of even length (rewards vary within a group: GRPO has a signal)."""
+
+    async def reset(self, task):
+        return task.prompt
+
+    async def step(self, action):
+        await asyncio.sleep(0.01)
+        from tiderl_jax.agents.env import StepResult
+        return StepResult(None, float(len(action) % 2 == 0), True)
+
+
+def _controller(tmp_path, mode="tiderl", **kw):
+    from tiderl_jax.rl.losses import LossConfig
+    from tiderl_jax.rl.trainer import TrainerConfig
+    from tiderl_jax.runtime.controller import Controller, ControllerConfig
+
+    cfg = ControllerConfig(mode=mode, **{**dict(steps=2, groups_per_step=2, group_size=2, max_concurrent=8,
+                                                rollout_replicas="group", ers_patience=1, ers_cooldown=0), **kw})
+    return Controller(init_decoder(CFG, seed=0), TOK, config=cfg, engine_config=ENGINE,
+                      rollout_config=RolloutConfig(max_turns=1, max_new_tokens=12, max_context=1024),
+                      trainer_config=TrainerConfig(loss=LossConfig(kl_coef=0.05), learning_rate=1e-3, warmup_steps=0,
+                                                   total_steps=10, row_len=1024, micro_rows=4),
+                      logdir=str(tmp_path / mode), make_env=lambda t: ParityEnv())
+
+
+def _serves_the_trainer_s_weights(c):
+    import numpy as np
+
+    for engine in c.backend.engines:
+        assert engine.version == c.version
+        for a, b in zip(jax.tree.leaves(engine.runner.params), jax.tree.leaves(c.trainer.params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _device_set(engine):
+    return set(jax.tree.leaves(engine.runner.params)[0].sharding.device_set)
+
+
+@pytest.mark.parametrize("mode,router", [("tiderl", "misa_t"), ("sync", "least_loaded")])
+def test_the_controller_rolls_out_through_one_replica_per_device_group(tmp_path, mode, router):
+    c = _controller(tmp_path, mode, router=router, ers=False)
+    summary = asyncio.run(c.run())
+    assert summary["steps"] == 2 and summary["syncs_failed"] == 0
+    service = c.backend.service
+    groups = 2 if mode == "tiderl" else 4  # tiderl: the pool's 2 rollout groups; sync: 8 devices / 2
+    assert len(service.replicas) == groups and all(s["prompt_tokens"] > 0 for s in service.stats())
+    if mode == "tiderl":
+        assert [_device_set(e) for e in c.backend.engines] == [
+            set(c.pool.group_devices(g)) for g in sorted(c.pool.roles["rollout"])]
+    _serves_the_trainer_s_weights(c)
+    ledger = summary["ledger"]
+    ended = sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
+    assert ledger["admitted"] == ledger.get("completed", 0) + ended + c.unfinished()
+
+
+def test_ers_moves_whole_replicas_between_rollout_and_training(tmp_path, monkeypatch):
+    from tiderl_jax.policies import ers
+    moves = [ers.Move("train", "rollout", "decoupled", "generation deficit"),
+             ers.Move("rollout", "train", "decoupled", "consumption deficit")]
+    monkeypatch.setattr(ers, "decide", lambda *a, **k: (moves.pop() if moves else None, ers.ERSHistory()))
+    c = _controller(tmp_path, steps=3)
+    first = [r.id for r in c.backend.service.replicas]
+    summary = asyncio.run(c.run())
+    assert summary["steps"] == 3 and [(m["frm"], m["to"]) for m in c.moves] == [("rollout", "train"),
+                                                                              ("train", "rollout")]
+    service = c.backend.service
+    # the rollout's highest group left as a replica, then the train's came back as a new one
+    assert [r.id for r in service.replicas] == [first[0], first[-1] + 1]
+    assert c.pool.num_groups("rollout") == 2 and c.pool.num_groups("train") == 1
+    assert [_device_set(e) for e in c.backend.engines] == [
+        set(c.pool.group_devices(g)) for g in sorted(c.pool.roles["rollout"])]
+    assert set(jax.tree.leaves(c.trainer.params)[0].sharding.device_set) == set(c.pool.devices_of("train"))
+    _serves_the_trainer_s_weights(c)
+    assert service.counters["rerouted"] == 0
+
+
+def test_bad_replica_settings_are_named():
+    from tiderl_jax.model.config import ConfigError
+    from tiderl_jax.runtime.controller import ControllerConfig
+
+    with pytest.raises(ConfigError, match="controller.rollout_replicas='each' is not 'mesh'"):
+        ControllerConfig(rollout_replicas="each")
+    with pytest.raises(ConfigError, match="controller.router='fastest' is not one of"):
+        ControllerConfig(router="fastest")
+    with pytest.raises(ConfigError, match="engine_workers run one engine replica"):
+        ControllerConfig(mode="async", engine_workers=True, rollout_replicas="group")

@@ -46,6 +46,7 @@ class WorkerEngine:
         self._gens: dict[int, _Gen] = {}
         self.version = client.params.version
         self.compile_s = 0.0  # the workers compile before they serve (not on the run's clock)
+        self._steps = self._prompt_tokens = self._decode_tokens = 0  # counters of finished generations
 
     # ------------------------------------------------------------------ requests
 
@@ -61,6 +62,7 @@ class WorkerEngine:
 
     def step(self) -> list[int]:
         """Handles of the generations that finished; waits up to `poll_s` for one if none has."""
+        self._steps += 1
         deadline = time.perf_counter() + self.poll_s
         while True:
             ended = [rid for rid, g in self._gens.items() if g.finished is None and self.client.done(rid)]
@@ -73,6 +75,9 @@ class WorkerEngine:
                 g.result = self.client.wait(rid)
             except Exception as e:  # noqa: BLE001 - delivered to the task by `get`
                 g.result = e
+            else:
+                self._prompt_tokens += len(g.prompt)
+                self._decode_tokens += len(g.result.tokens)
             g.finished = time.perf_counter()
         return ended
 
@@ -114,5 +119,23 @@ class WorkerEngine:
         raise RequestError("engine workers do not move between device meshes")
 
     def stats(self) -> dict:
-        return {"prefix_hit_rate": 0.0, "failovers": len(self.client.failovers), "version": self.version,
-                "in_flight": sum(g.finished is None for g in self._gens.values())}
+        """The engine's counters that the rollout service reads (prefix-cache numbers are 0: each worker keeps its
+        own cache and does not report it); prompt and generated tokens counted as their generations finish."""
+        return {"prefix_hit_rate": 0.0, "prompt_tokens": self._prompt_tokens, "prompt_tokens_cached": 0,
+                "prefill_tokens_computed": self._prompt_tokens, "decode_tokens": self._decode_tokens,
+                "pages_used": 0, "steps": self._steps, "failovers": len(self.client.failovers),
+                "version": self.version, "in_flight": sum(g.finished is None for g in self._gens.values())}
+
+    def load(self) -> dict:
+        """The router's reading: every generation in flight counts as running (the worker batches them itself)."""
+        return dict(running=sum(g.finished is None for g in self._gens.values()), waiting=0, queued_tokens=0,
+                    pinned_kv_tokens=0)
+
+    def free_kv_tokens(self) -> int:
+        return self.config.num_pages * self.config.page_size
+
+    def num_kv_tokens(self, handle: int) -> int:
+        return 0  # no KV kept across turns
+
+    def cached_prefix_tokens(self, tokens) -> int:
+        return 0

@@ -4,8 +4,9 @@ The controller (`controller.py`) decides what runs when; a backend runs it and s
 took. Two implement the same interface, so the simulator runs the controller's own code
 (docs/architecture.md, "The one idea"):
 
-- `JaxBackend` (here): the engine and the rollout loop on the rollout mesh, the trainer on the train
-  mesh, the reference scorer on the ref mesh, weight sync between them; wall-clock time.
+- `JaxBackend` (here): the rollout service on the rollout devices (one engine over the whole rollout mesh,
+  or with `replicas="group"` one engine replica per rollout device group behind the router), the trainer
+  on the train mesh, the reference scorer on the ref mesh, weight sync between them; wall-clock time.
 - `sim.backend.SimBackend`: cost-modelled devices on a virtual clock.
 
 The interface (`Backend`): `clock()` is the controller's only time source; `pool` holds the device
@@ -34,7 +35,10 @@ from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, make_mesh, place_cop
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
 from tiderl_jax.runtime.devices import WeightSync, model_on
-from tiderl_jax.runtime.pool import Backend, DevicePool, lanes_of, split_devices  # noqa: F401 (re-exported)
+from tiderl_jax.runtime.pool import Backend, DevicePool, group_mesh, lanes_of, split_devices  # noqa: F401
+from tiderl_jax.serving.service import RolloutService, ServiceConfig
+
+REPLICAS = ("mesh", "group")
 
 
 class JaxBackend:
@@ -43,8 +47,19 @@ class JaxBackend:
     def __init__(self, model: Decoder, tokenizer: Tokenizer, *, kv_mode: str, pool: DevicePool | None,
                  engine_config: EngineConfig, rollout_config: RolloutConfig, trainer_config: TrainerConfig,
                  rules: Rules = DEFAULT_RULES, devices: Sequence | None = None, tensor: int = 1,
-                 engine_workers: dict | bool = False):
+                 engine_workers: dict | bool = False, replicas: str = "mesh", router: str = "least_loaded",
+                 replica_devices: int = 1):
+        """`replicas`: "mesh", one engine over the whole rollout mesh; "group", one engine replica per rollout
+        device group (the pool's groups; without a pool, chunks of `replica_devices` devices), each a replica
+        of the rollout service that ERS moves whole. `router`: the service's policy (`policies.routing`)."""
+        if replicas not in REPLICAS:
+            raise ValueError(f"replicas={replicas!r} is not one of {REPLICAS}")
+        if engine_workers and replicas != "mesh":
+            raise ValueError("engine workers run one engine replica: replicas='group' with engine workers is not "
+                             "supported")
         self.rules = rules
+        self.tensor = tensor
+        self.replica_mode = replicas
         self.pool = pool
         self.devices = list(devices or jax.devices())
         graphdef, params = nnx.split(model)
@@ -61,18 +76,47 @@ class JaxBackend:
             self.trainer.ref_params = place_copy(self.trainer.params, _shardings(self.trainer.params))
         self.ref_scorer = (Scorer(model_on(graphdef, params, ref_mesh, rules), trainer_config,
                                   mesh=ref_mesh, rules=rules) if ref_mesh is not None else None)
+        self.engine_config = engine_config
+        self._group_of: dict[int, object] = {}  # replica id -> its device group (pool group id or device tuple)
         if engine_workers:  # Belayer: the engine in a worker process with a warm standby (faults/)
-            self.engine = _worker_engine(model, engine_config, **(engine_workers if isinstance(engine_workers, dict)
-                                                                  else {}))
+            engines = [_worker_engine(model, engine_config, **(engine_workers if isinstance(engine_workers, dict)
+                                                               else {}))]
+        elif replicas == "group":
+            groups = self._rollout_groups(replica_devices)
+            engines = [Engine(model_on(graphdef, params, self._group_mesh(g), rules), engine_config) for g in groups]
         else:
-            self.engine = Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)
+            engines = [Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)]
         self.engine_workers = bool(engine_workers)
-        self.runner = RolloutRunner(self.engine, tokenizer, dataclasses.replace(
+        self.service = RolloutService(engines, ServiceConfig(policy=router))
+        if replicas == "group":
+            self._group_of = {rep.id: g for rep, g in zip(self.service.replicas, groups)}
+        self.runner = RolloutRunner(self.service, tokenizer, dataclasses.replace(
             rollout_config, mode=kv_mode))  # "ctb" | "request" (ControllerConfig.kv_mode)
         self.sync = WeightSync()
         self.last_sync_error: str | None = None  # the last failed publish's error and stage (None after a success)
 
     clock = staticmethod(time.perf_counter)
+
+    @property
+    def engine(self) -> Engine:
+        """The first live replica's engine (the only one with `replicas="mesh"`)."""
+        return (self.service.live() or self.service.replicas)[0].engine
+
+    @property
+    def engines(self) -> list[Engine]:
+        return self.service.engines
+
+    def _rollout_groups(self, replica_devices: int) -> list:
+        """The rollout's device groups: the pool's group ids, or (no pool) tuples of `replica_devices` devices."""
+        if self.pool is not None:
+            return sorted(self.pool.roles["rollout"])
+        n = max(1, replica_devices)
+        if len(self.devices) % n:
+            raise ValueError(f"{len(self.devices)} devices do not split into rollout replicas of {n}")
+        return [tuple(self.devices[i:i + n]) for i in range(0, len(self.devices), n)]
+
+    def _group_mesh(self, group):
+        return self.pool.group_mesh(group) if isinstance(group, int) else group_mesh(group, self.tensor)
 
     def lanes(self) -> dict[str, int]:
         return lanes_of(self.pool, len(self.devices))
@@ -103,7 +147,7 @@ class JaxBackend:
                                            for i, t in enumerate(tasks))))
 
     def kv_hit_rate(self) -> float:
-        return self.engine.stats()["prefix_hit_rate"]
+        return self.service.kv_hit_rate()
 
     # ---------------------------------------------------------------- scoring, training, sync, moves
 
@@ -124,19 +168,22 @@ class JaxBackend:
             await asyncio.to_thread(self.engine.update_params, self.trainer.params, version)
             return True
 
-        def swap():
+        def swap(rep):  # between two of this replica's engine steps
             return self.sync.publish(self.trainer.params, version,
-                                     target_shardings=self.engine.runner.param_shardings,
-                                     drain=lambda: None, swap=self.engine.update_params)
-        record = await self.runner.command(swap)
-        self.last_sync_error = None if record.ok else f"{record.error} (at the {record.stage} stage)"
-        return record.ok
+                                     target_shardings=rep.engine.runner.param_shardings,
+                                     drain=lambda: None, swap=rep.engine.update_params)
+        records = await self.service.command_all(swap)
+        failed = [(rep.id, r) for rep, r in zip(self.service.live(), records) if not r.ok]
+        self.last_sync_error = "; ".join(
+            f"{r.error} (at the {r.stage} stage" + (f", replica {i})" if len(records) > 1 else ")") for i, r in failed
+        ) or None
+        return not failed
 
     async def move(self, from_role: str, to_role: str) -> None:
         """One device group changes role; only the parts whose devices changed move (the trainer
         reshards, the engine rebuilds on its new mesh, the reference scorer moves to its new mesh or,
         with no ref group left, goes: the ref pass then runs colocated in the train step)."""
-        self.pool = self.pool.moved(from_role, to_role)
+        old, self.pool = self.pool, self.pool.moved(from_role, to_role)
         changed = {from_role, to_role}
         if "train" in changed:
             await asyncio.to_thread(self.trainer.move_to, self.pool.mesh("train"))
@@ -145,12 +192,25 @@ class JaxBackend:
             self.ref_scorer = None if ref_mesh is None else await asyncio.to_thread(
                 lambda: Scorer(model_on(self.trainer.graphdef, self.trainer.ref_params, ref_mesh, self.rules),
                                self.trainer.config, mesh=ref_mesh, rules=self.rules))
-        if "rollout" in changed:
+        if "rollout" in changed and self.replica_mode == "group":  # a whole replica leaves or joins
+            if from_role == "rollout":
+                gid = max(old.roles["rollout"])
+                rid = next(r for r, g in self._group_of.items() if g == gid)
+                await self.service.remove_replica(rid)
+                del self._group_of[rid]
+            else:
+                gid = next(g for g in self.pool.roles["rollout"] if g not in old.roles["rollout"])
+                version = self.engine.version
+                engine = await asyncio.to_thread(lambda: Engine(model_on(
+                    self.trainer.graphdef, self.trainer.params, self.pool.group_mesh(gid), self.rules),
+                    self.engine_config, version=version))
+                self._group_of[self.service.add_replica(engine)] = gid
+        elif "rollout" in changed:
             engine_model = model_on(self.trainer.graphdef, self.trainer.params, self.pool.mesh("rollout"), self.rules)
             await self.runner.command(lambda: self.engine.move_to(engine_model))
 
     def compile_s(self) -> float:
-        return self.engine.compile_s + self.trainer.compile_s
+        return sum(e.compile_s for e in self.engines) + self.trainer.compile_s
 
     def move_costs(self) -> dict[tuple[str, str], float]:
         """ERS's predicted seconds of each move before one is measured: a move rebuilds only the parts whose
@@ -162,7 +222,7 @@ class JaxBackend:
         had been its 0 s of loads). Still low when the new mesh's programs are in no cache: the controller
         replaces a move's estimate by its measured cost once it has made one."""
         warm = getattr(self, "_warm_s", {})
-        parts = {"rollout": self.engine.compile_s, "train": self.trainer.compile_s,
+        parts = {"rollout": max(e.compile_s for e in self.engines), "train": self.trainer.compile_s,
                  "ref": self.ref_scorer.compile_s if self.ref_scorer is not None else self.trainer.compile_s}
         parts = {r: max(v, warm.get(r, warm.get("train", 0.0) if r == "ref" else 0.0)) for r, v in parts.items()}
         if self.pool is None:
@@ -183,8 +243,8 @@ class JaxBackend:
         engine worker warms itself up.) Programs of a mesh an ERS move creates load at the move."""
         t0 = time.perf_counter()
         self._warm_s = {}  # seconds per part: `move_costs` reads them
-        if not self.engine_workers:
-            self._warm_s["rollout"] = self.engine.warmup(engine_programs)
+        if not self.engine_workers:  # every replica: programs are compiled per device group
+            self._warm_s["rollout"] = max(e.warmup(engine_programs) for e in self.engines)
         self._warm_s["train"] = self.trainer.warmup(micro_counts)
         if self.ref_scorer is not None:
             self._warm_s["ref"] = self.ref_scorer.warmup(micro_counts)
@@ -204,7 +264,8 @@ class JaxBackend:
         self.trainer.ref_params = arrays["ref"]
         if "value" in arrays:
             self.trainer.value_params = arrays["value"]
-        self.engine.update_params(self.trainer.params, version)  # the engine copies them
+        for engine in self.engines:
+            engine.update_params(self.trainer.params, version)  # the engine copies them
 
     def load_policy(self, params, version: int) -> None:
         """Starts from these weights (the warm start): the actor, the reference model and the
@@ -213,10 +274,11 @@ class JaxBackend:
         self.trainer.ref_params = place_copy(params, _shardings(self.trainer.ref_params))
         if self.ref_scorer is not None:
             self.ref_scorer.params = place_copy(params, _shardings(self.ref_scorer.params))
-        if self.engine_workers:
-            self.engine.update_params(params, version)
-        else:
-            self.engine.update_params(place_copy(params, _shardings(self.engine.runner.params)), version)
+        for engine in self.engines:
+            if self.engine_workers:
+                engine.update_params(params, version)
+            else:
+                engine.update_params(place_copy(params, _shardings(engine.runner.params)), version)
 
 
 def _shardings(tree):

@@ -125,7 +125,8 @@ class Controller(Borrowing):
             backend = JaxBackend(model, tokenizer, kv_mode=config.kv_mode, pool=pool, engine_config=engine_config,
                                  rollout_config=rollout_config, trainer_config=trainer_config,
                                  rules=rules or DEFAULT_RULES,
-                                 devices=devices, tensor=config.tensor,
+                                 devices=devices, tensor=config.tensor, replicas=config.rollout_replicas,
+                                 router=config.router, replica_devices=config.device_group_size,
                                  engine_workers=config.engine_workers and dict(
                                      warmup=config.engine_worker_warmup,
                                      health_threshold=config.engine_worker_health_checks))

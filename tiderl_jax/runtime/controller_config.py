@@ -7,7 +7,7 @@ import dataclasses
 
 from tiderl_jax.agents import tasks as task_lib
 from tiderl_jax.model.config import ConfigError
-from tiderl_jax.policies import staleness
+from tiderl_jax.policies import routing, staleness
 
 MODES = ("sync", "async", "tiderl")
 
@@ -28,6 +28,10 @@ class ControllerConfig:
     ref_groups: int = 1  # 0: the ref always runs on the train devices (colocated)
     train_groups: int = 1
     tensor: int = 2
+    # the rollout service (serving/): "mesh", one engine over every rollout device; "group", one engine replica
+    # per rollout device group (sync: per `device_group_size` devices) behind the router, the unit ERS moves
+    rollout_replicas: str = "mesh"
+    router: str = "least_loaded"  # the service's routing policy: policies.routing.POLICIES
     ers_patience: int = 2
     ers_cooldown: int = 3
     # speed one more device group adds to a role, as a fraction of linear, assumed until a move
@@ -68,6 +72,14 @@ class ControllerConfig:
         if self.max_concurrent < self.group_size:
             raise ConfigError(f"controller.max_concurrent={self.max_concurrent} must hold one group "
                               f"(group_size={self.group_size})")
+        if self.rollout_replicas not in ("mesh", "group"):
+            raise ConfigError(f"controller.rollout_replicas={self.rollout_replicas!r} is not 'mesh' (one engine "
+                              f"over the rollout devices) or 'group' (one replica per device group)")
+        if self.router not in routing.POLICIES:
+            raise ConfigError(f"controller.router={self.router!r} is not one of {sorted(routing.POLICIES)}")
+        if self.engine_workers and self.rollout_replicas != "mesh":
+            raise ConfigError("controller.engine_workers run one engine replica: set controller.rollout_replicas="
+                              "'mesh' with them")
         if self.engine_workers and self.kv_mode == "ctb":
             raise ConfigError("controller.engine_workers serve request-level rollouts (modes sync, async); "
                               "tiderl's CTB keeps KV across tool calls in its own engine")

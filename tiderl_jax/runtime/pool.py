@@ -57,13 +57,15 @@ class DevicePool:
 
     def mesh(self, role: str):
         """The role's `fsdp x tensor` mesh (a jax Mesh); None for a role without devices."""
-        from tiderl_jax.model.sharding import make_mesh  # JAX only when a mesh is built
-
         devs = self.devices_of(role)
-        if not devs:
-            return None
-        tensor = self.tensor if len(devs) % self.tensor == 0 else 1
-        return make_mesh({"data": 1, "fsdp": len(devs) // tensor, "tensor": tensor}, devs)
+        return group_mesh(devs, self.tensor) if devs else None
+
+    def group_devices(self, gid: int) -> list:
+        return list(self.devices[gid * self.group_size:(gid + 1) * self.group_size])
+
+    def group_mesh(self, gid: int):
+        """One device group's `fsdp x tensor` mesh (a rollout replica's)."""
+        return group_mesh(self.group_devices(gid), self.tensor)
 
     def moved(self, src: str, dst: str) -> "DevicePool":
         """A pool with one group of `src` handed to `dst` (the highest-numbered one)."""
@@ -76,6 +78,14 @@ class DevicePool:
         roles[src] = tuple(g for g in roles[src] if g != gid)
         roles[dst] = tuple(sorted(roles[dst] + (gid,)))
         return dataclasses.replace(self, roles=roles)
+
+
+def group_mesh(devices: Sequence, tensor: int):
+    """An `fsdp x tensor` mesh over `devices` (tensor 1 when it does not divide them); a jax Mesh."""
+    from tiderl_jax.model.sharding import make_mesh  # JAX only when a mesh is built
+
+    t = tensor if len(devices) % tensor == 0 else 1
+    return make_mesh({"data": 1, "fsdp": len(devices) // t, "tensor": t}, list(devices))
 
 
 def split_devices(devices: Sequence, *, mode: str, group_size: int, rollout: int, ref: int, train: int,
