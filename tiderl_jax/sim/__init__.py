@@ -2,12 +2,14 @@
 
 Parts: `backend` (`SimBackend`: the runtime controller's `Backend` on the parts below; `run`), built from
 `config` (`SimConfig`, `SimTrajectory`), `kv` (the KV / prefix-cache model), `replicas` (the replica event
-core), `trainer_costs` (train and ref jobs) and `switches` (moves, BiDiRL borrowing), and
+core), `router` (`SimConfig.router`: placement through the router policies), `trainer_costs` (train and ref
+jobs) and `switches` (moves, BiDiRL borrowing), and
 - `hardware`: accelerator presets from vendor specs (H100, H200, TPU v5e, TPU v5p);
 - `costs`: roofline cost models (prefill, decode, KV capacity, train, ref scoring, weight sync,
   device moves) and model shapes (Qwen2.5-7B / 14B);
 - `clock`: a virtual-time asyncio event loop (sleeps and timeouts take no wall time);
-- `workloads`: workload presets after the papers, with the sampling distributions.
+- `workloads`: workload presets after the papers, with the sampling distributions, task classes and mixes;
+- `routing_study`: the router policies compared on a mixed trace at the MISA-T paper's scale.
 
 The simulator never imports JAX model code (docs/architecture.md, Layers): only `policies/` and the runtime's
 controller interfaces.

@@ -11,7 +11,8 @@ takes the seconds `sim/costs.py` gives it on the virtual-time loop (`sim/clock.p
 - `kv.py`: the KV / prefix-cache model (`KVModel`: pages, CTB footprints and admission, eviction,
   prefix-cache hits, prefill and program-load costs) and the task / replica state (`_Seq`, `_Replica`);
 - `replicas.py`: the replica event core (`ReplicaCore(KVModel)`: the rollout side of the interface,
-  placement, the event heap, spans of decode events, turn ends, weight updates, busy accounting, and the
+  placement (`router.py`: `SimRouter`, the router policies' views of the replicas with `SimConfig.router`),
+  the event heap, spans of decode events, turn ends, weight updates, busy accounting, and the
   replica set that moves and borrows change). These two are compiled by Cython with the types in kv.pxd
   and replicas.pxd, when built (`tiderl_jax.sim`); run as they are, they are the reference;
 - `trainer_costs.py`: train, proximal and reference scoring, host cores shared with the rollout
@@ -31,7 +32,7 @@ What this module models (all parameters in `SimConfig`):
 
 `run` makes Python's cyclic garbage collector rare while it runs (`rare_collections`).
 
-Ours, not the papers': the admission-by-known-turn-length, least-loaded placement, the group-prompt
+Ours, not the papers': the admission-by-known-turn-length, least-loaded placement (the default router), the group-prompt
 sharing rule, the sliding window of finished tasks for CTB's remaining-turns estimate (the last
 `finished_window` tasks, refreshed every `finished_window` finishes, to keep the cost per turn
 constant), and every default in `SimConfig` that does not cite a source.
@@ -54,6 +55,7 @@ from tiderl_jax.sim import costs, hardware, workloads
 from tiderl_jax.sim.config import SimConfig, SimTrajectory  # noqa: F401 (SimTrajectory: re-exported)
 from tiderl_jax.sim.kv import _Replica, _Seq  # noqa: F401 (re-exported: tests build them)
 from tiderl_jax.sim.replicas import ReplicaCore
+from tiderl_jax.sim.router import SimRouter
 from tiderl_jax.sim.switches import Switches
 from tiderl_jax.sim.trainer_costs import TrainerCosts
 
@@ -183,6 +185,9 @@ class SimBackend(ReplicaCore, TrainerCosts, Switches):
         self._lent: set[tuple] = set()
         self._train_extra = 0  # devices the trainer borrowed
         self._parked: list[_Seq] = []  # tasks that arrived while no replica served
+        # SimConfig.router: the router that places every task and continuation (router.py); None: sticky
+        self._routing = config.router != "sticky"
+        self.router = SimRouter(self, config.router, config.router_config) if self._routing else None
         self._switch_out_s = 0.0
 
     @classmethod
@@ -225,11 +230,12 @@ class SimBackend(ReplicaCore, TrainerCosts, Switches):
         """Sample `sample` of `group`. The workload's shapes are drawn (`sample_tasks`) for `SHAPE_BLOCK`
         groups at once, from an rng seeded by (seed, block): a group's shapes depend on the seed and its
         id only, so a run is reproducible whatever order samples start in (and one draw serves many
-        groups: ~3x cheaper). `shape_sampler`'s are drawn per group, from an rng seeded by (seed, group)."""
+        groups: ~3x cheaper). `shape_sampler`'s, and a mixed workload's, are drawn per group, from an rng seeded by
+        (seed, group)."""
         entry = self._groups.get(group)
         if entry is None or sample >= len(entry[0]):
             n = max(group_size, sample + 1)
-            if self.shape_sampler is not None or n > group_size:
+            if self.shape_sampler is not None or n > group_size or self.workload.parts:  # (mixed: a class per group)
                 rng = np.random.default_rng([self.cfg.seed, group])
                 shapes = (sample_tasks(self.workload, rng, n) if self.shape_sampler is None
                           else self.shape_sampler(group, rng, n))
@@ -323,8 +329,11 @@ class SimBackend(ReplicaCore, TrainerCosts, Switches):
     def stats(self) -> dict:
         self.counters.update(events=self._events, decode_tokens=self._decode_tokens, prompt_tokens=self._prompt_tokens,
                              prompt_tokens_cached=self._prompt_tokens_cached, prefill_tokens=self._prefill_tokens)
-        return dict(self.counters, replicas=len(self.replicas), kv_pages_per_replica=self.capacity,
-                    kv_hit_rate=self.kv_hit_rate())
+        out = dict(self.counters, replicas=len(self.replicas), kv_pages_per_replica=self.capacity,
+                   kv_hit_rate=self.kv_hit_rate())
+        if self.router is not None:
+            out["router"] = dict(self.router.counters, policy=self.router.policy)
+        return out
 
     def decode_load(self) -> dict:
         """How hard the replicas decoded over the run so far: `decode_batch`, the mean sequences per decode
@@ -359,7 +368,10 @@ def _integers(x: np.ndarray) -> np.ndarray:
 def sample_tasks(w: workloads.Workload, rng: np.random.Generator, n: int) -> list[workloads.TaskSample]:
     """`n` task shapes by `workloads.sample_task`'s rule (same distributions, clipping and `max_context`
     truncation), each distribution drawn once for all `n` tasks, as many turns as each task takes (a
-    different random stream than `n` calls of `sample_task`, ~10x cheaper)."""
+    different random stream than `n` calls of `sample_task`, ~10x cheaper). A mixed workload draws all `n` from
+    one of its parts (`Workload.part`): they are one prompt's GRPO group, of one class."""
+    w = w.part(rng)
+    cls = w.task_class
     max_context = w.max_context
     prompts = np.minimum(np.maximum(_integers(w.prompt_tokens.sample(rng, n)), 1), max_context - 1).tolist()
     turns = np.minimum(np.maximum(_integers(w.turns.sample(rng, n)), 1), w.max_turns).tolist()
@@ -373,7 +385,7 @@ def sample_tasks(w: workloads.Workload, rng: np.random.Generator, n: int) -> lis
         prompt, T = prompts[i], turns[i]
         g, o = gen[first:first + T], obs[first:first + T - 1]
         if prompt + sum(g) + sum(o) < max_context:  # the context never reaches max_context: no truncation
-            out.append(workloads.TaskSample(prompt, tuple(g), tuple(o), tuple(lat[first:first + T - 1]), False))
+            out.append(workloads.TaskSample(prompt, tuple(g), tuple(o), tuple(lat[first:first + T - 1]), False, cls))
             first += T
             continue
         context, g, o, la, truncated = prompt, [], [], [], False
@@ -394,7 +406,7 @@ def sample_tasks(w: workloads.Workload, rng: np.random.Generator, n: int) -> lis
             o.append(observation)
             la.append(lat[turn])
             context += observation
-        out.append(workloads.TaskSample(prompt, tuple(g), tuple(o), tuple(la), truncated))
+        out.append(workloads.TaskSample(prompt, tuple(g), tuple(o), tuple(la), truncated, cls))
         first += T
     return out
 

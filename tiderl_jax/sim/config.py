@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.policies import routing
 from tiderl_jax.sim import costs, hardware, workloads
 
 
@@ -72,6 +73,11 @@ class SimConfig:
     # micro-batch terms of MeasuredCosts (`costs.packed_micro_batches`); 0: none
     train_row_len: int = 0
     train_micro_rows: int = 0
+    # placement of tasks on the rollout replicas: "sticky" (a task stays on its replica, a new one goes to the
+    # fewest live tasks: replicas.py), or one of `policies.routing.POLICIES` by name, which then places every new
+    # task and every continuation after a tool gap (sim/router.py) with `router_config`
+    router: str = "sticky"
+    router_config: routing.RouterConfig = routing.RouterConfig()
 
     def __post_init__(self):
         workloads.workload(self.workload)
@@ -91,6 +97,8 @@ class SimConfig:
                      "optimizer_bytes_per_param"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 0")
+        if self.router != "sticky" and self.router not in routing.POLICIES:
+            raise ValueError(f"SimConfig.router={self.router!r}: 'sticky' or one of {sorted(routing.POLICIES)}")
         if self.engine_steps and self.measured is None:
             raise ValueError("SimConfig.engine_steps models the real engine's calls: it needs measured costs")
         if self.spec_draft_tokens < 1 or not 1.0 <= self.spec_accepted_tokens <= self.spec_draft_tokens + 1:

@@ -96,7 +96,13 @@ QWEN2_5_7B = ModelShape("qwen2.5-7b", num_layers=28, hidden_size=3584, intermedi
 QWEN2_5_14B = ModelShape("qwen2.5-14b", num_layers=48, hidden_size=5120, intermediate_size=13824,
                          num_heads=40, num_kv_heads=8, head_dim=128, vocab_size=152064,
                          tie_word_embeddings=False, attention_bias=True)
-SHAPES = {s.name: s for s in (QWEN2_5_7B, QWEN2_5_14B)}
+# Qwen/Qwen2.5-32B config.json: hidden 5120, intermediate 27648, 64 layers, 40 heads, 8 KV heads, head_dim 128,
+# vocab 152064, untied embeddings, q/k/v biases; 32.8B parameters. The 30B-class replica of the MISA-T study
+# (sim/routing_study.py), a dense stand-in for the paper's Qwen3.6-35B-A3B (mixture-of-experts not modelled)
+QWEN2_5_32B = ModelShape("qwen2.5-32b", num_layers=64, hidden_size=5120, intermediate_size=27648,
+                         num_heads=40, num_kv_heads=8, head_dim=128, vocab_size=152064,
+                         tie_word_embeddings=False, attention_bias=True)
+SHAPES = {s.name: s for s in (QWEN2_5_7B, QWEN2_5_14B, QWEN2_5_32B)}
 
 
 def model_shape(name: str | ModelShape) -> ModelShape:

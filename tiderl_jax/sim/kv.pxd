@@ -18,7 +18,8 @@ cdef class _Seq:
     cdef public dict versions
     cdef public _Replica replica
     cdef public bint pinned, admitted
-    cdef public double wait_started
+    cdef public double wait_started, born
+    cdef public str cls
 
 cdef class _Replica:
     cdef public long rid, capacity, version, steps, maxend, ctx_base, used, cache_pages, footprints, live, events
@@ -30,6 +31,9 @@ cdef class _Replica:
     cdef public set programs
     cdef public bint alive, borrowed, busy, retry, one_step
     cdef public double wake_at, w_prev, w_dur, w_start, w_prefill, w_step_s, span_start, span_prefill
+    # what the router reads (SimConfig.router): tokens processed, busy seconds, prompt / cached prompt tokens
+    cdef public long r_tokens, r_prompt, r_cached, r_seen_prompt, r_seen_cached
+    cdef public double r_busy
 
 cdef class KVModel:
     cdef dict __dict__
@@ -38,7 +42,7 @@ cdef class KVModel:
     cdef public long _max_batch, _shared_prefix, _prefill_budget, _prefill_row_cap
     cdef public double _program_s, _prefill_rate, _bytes_rate, _attn_per_pair, _param_bytes, _matmul_params
     cdef public double _kv_bytes, _mean_latency
-    cdef public bint _ctb, _engine_steps
+    cdef public bint _ctb, _engine_steps, _routing
     cdef public object loop, measured, cfg, counters
 
     # admission and prefill: C calls of the event core

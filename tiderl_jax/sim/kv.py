@@ -64,7 +64,8 @@ class _Seq:
     """One task (a GRPO sample) on the rollout side."""
     __slots__ = ("gid", "sample", "shape", "gen", "obs", "latency", "prompt", "turn", "left", "ctx", "written",
                  "versions", "replica", "future", "pinned", "kv_pages", "kv_version", "footprint", "tokens_added",
-                 "wait_started", "new_tokens", "admitted", "start", "end", "ctx0", "run", "pf_left", "pf_done")
+                 "wait_started", "new_tokens", "admitted", "start", "end", "ctx0", "run", "pf_left", "pf_done", "born",
+                 "cls")
 
     def __init__(self, gid: int, sample: int, shape: workloads.TaskSample, future: _Waiter | None):
         self.gid, self.sample, self.shape, self.future = gid, sample, shape, future
@@ -93,6 +94,8 @@ class _Seq:
         # while prefilling over several events (SimConfig.prefill_budget): tokens still to prefill, and its
         # context's tokens computed (cached or prefilled) so far
         self.pf_left = self.pf_done = 0
+        self.cls = shape.cls  # its workload class (the router's)
+        self.born = -1.0  # when it was first offered (SimConfig.router: its session latency starts)
 
 
 class _Replica:
@@ -117,7 +120,8 @@ class _Replica:
                  "prompts", "alive", "borrowed", "busy", "retry", "arrivals", "wake_at", "span_start", "span_prefill",
                  "span_steps", "span_batch", "span_ctx_base", "span_maxend", "span_first_end", "w_step", "w_start",
                  "w_prefill", "w_first", "w_step_s", "w_prev", "w_chunks", "w_dur", "one_step", "events", "prefix_at",
-                 "programs", "prefilling")
+                 "programs", "prefilling", "r_tokens", "r_prompt", "r_cached", "r_seen_prompt", "r_seen_cached",
+                 "r_busy")
 
     def __init__(self, rid: int, devices: tuple, capacity: int):
         self.rid, self.devices, self.capacity = rid, devices, capacity  # capacity in pages
@@ -160,6 +164,10 @@ class _Replica:
         self.w_chunks = 0
         self.w_dur = 0.0
         self.one_step = False  # SimConfig.engine_steps: the span's event prefilled or left a turn waiting
+        # with SimConfig.router (what its views read): tokens prefilled and decoded, the busy seconds they took,
+        # prompt tokens admitted and those found cached, and the last two at the router's last look
+        self.r_tokens = self.r_prompt = self.r_cached = self.r_seen_prompt = self.r_seen_cached = 0
+        self.r_busy = 0.0
 
 
 class KVModel:
@@ -352,6 +360,10 @@ class KVModel:
             return 0.0
         self._prompt_tokens += prompt_tokens
         self._prompt_tokens_cached += cached_tokens
+        if self._routing:
+            r.r_prompt += prompt_tokens
+            r.r_cached += cached_tokens
+            r.r_tokens += work
         self._prefill_tokens += prefill_tokens
         seconds = self._prefill_time(work, cached_tokens, pairs, len(calls) or 1)
         if self._program_s:  # programs this engine has not run yet (SimConfig.max_seq_len)

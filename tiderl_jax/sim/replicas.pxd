@@ -27,6 +27,7 @@ cdef class ReplicaCore(KVModel):
     cdef _retire(self, _Replica r, _Seq s)
     cdef _turn_end(self, _Replica r, _Seq s, double at)
     cdef _finish(self, _Replica r, _Seq s)
+    cdef _drop_prompt(self, _Replica r, _Seq s)
     cdef _add_busy(self, _Replica r, double seconds)
     cdef _arm(self, double at)
     cdef _busy_end(self, _Replica r, double seconds)

@@ -38,9 +38,17 @@ What is modelled (parameters in `config.SimConfig`):
 
   the batched prefill is `costs.prefill_time` summed over sequences with the weights read once. What is
   admitted, and what its prefill finds cached: the KV model (kv.py).
-- **Placement**: a task stays on its replica (sticky); a new task goes to the replica with the fewest
-  live tasks (ties: lowest id). A replica removed by a move loses its KV; its tasks continue on
-  others (their next prefill recomputes the whole context).
+- **Placement** (`SimConfig.router`): by default ("sticky") a task stays on its replica; a new task goes
+  to the replica with the fewest live tasks (ties: lowest id). With a router policy (any of
+  `policies.routing.POLICIES`, router.py), every placement goes through `routing.route`: a new task, and
+  each continuation once its tool call returns (`_env_return`), is offered to the router at a routing call
+  at that instant (`_route_soon`, one heap entry per instant), with the views the rollout service builds
+  (serving/service.py): held requests wait and are offered again at the next call, which comes with the next
+  event that can change the answer (a turn ends, a task ends, the replica set changes). A continuation placed
+  off the replica holding its KV recomputes its context where it lands (`_assign`); finished tasks are
+  reported as ended sessions (MISA-T). A replica removed by a move loses its KV; its tasks continue on
+  others (their next prefill recomputes the whole context); with a router, replicas added or removed are
+  just the live list it sees (no `_rebalance`).
 - **Weight sync** (`weight_sync_time` + `sync_fixed_s`): replicas swap in the new version after it;
   decode events already in flight finish on the old weights (token versions recorded per event).
 - **WAR speculative decoding** (`war_speculation`, modes `+war` of launch/simulate.py; roofline
@@ -97,6 +105,8 @@ class ReplicaCore(KVModel):
             self._armed.cancel()
             self._armed = None
         self._heap.clear()
+        if self._routing:
+            self.router.armed = False
         self._started = False
 
     async def generate(self, task, group, sample, expected_group_size) -> Trajectory:
@@ -177,10 +187,13 @@ class ReplicaCore(KVModel):
             parked, self._parked = self._parked, []
             for s in parked:
                 self._place(s)
+        if self._routing:  # the live list the router sees changed: what it holds is offered again
+            self.router.changed()
 
     def _rebalance(self, targets: list) -> None:
-        """New replicas take queued tasks that hold no KV (tails first) from replicas above the mean load."""
-        if not targets:
+        """New replicas take queued tasks that hold no KV (tails first) from replicas above the mean load (with
+        SimConfig.router, the router alone places: a new replica is one more in the live list it sees)."""
+        if not targets or self._routing:
             return
         share = sum(r.live for r in self.replicas.values()) // len(self.replicas)
         movable = []
@@ -243,6 +256,9 @@ class ReplicaCore(KVModel):
                 heapq.heappush(load, (r.live, r.rid, r))
 
     def _place(self, seq: _Seq) -> None:
+        if self._routing:  # SimConfig.router: offered to the router at its next call (router.py)
+            self.router.offer(seq)
+            return
         if not self.replicas:  # every rollout replica is lent out (BiDiRL): it waits for their return
             seq.replica = None
             self._parked.append(seq)
@@ -266,6 +282,9 @@ class ReplicaCore(KVModel):
             self._schedule(r, now)
 
     def _env_return(self, seq: _Seq) -> None:
+        if self._routing:  # a continuation: the router places it (`_assign`)
+            self.router.offer(seq)
+            return
         r = seq.replica
         if r is None or not r.alive:  # its replica was moved away meanwhile
             if r is not None:
@@ -275,6 +294,43 @@ class ReplicaCore(KVModel):
             self._place(seq)
         else:
             self._enqueue(r, seq)
+
+    def _assign(self, seq: _Seq, r: _Replica) -> None:
+        """The router placed `seq` on `r` (SimConfig.router, router.py). A task placed off the live replica that
+        holds its KV leaves it there: pinned KV (CTB) becomes that replica's prefix cache, its group's prompt is
+        no longer held there by it, and its context is recomputed where it lands (less what `r` has cached); a
+        task whose replica was removed meanwhile lost its KV with it."""
+        old = seq.replica
+        if old is not r:
+            if old is not None and old.alive:
+                self._set_live(old, -1)
+                if seq.admitted:
+                    old.footprints -= seq.footprint
+                if seq.pinned:
+                    del old.pinned[seq]
+                    seq.pinned = False
+                    old.used -= seq.kv_pages
+                    full = (seq.ctx - seq.new_tokens) // self.ps
+                    old.cache[seq] = (seq.kv_pages, full * self.ps, seq.kv_version)
+                    old.cache_pages += seq.kv_pages
+                    seq.kv_pages = 0
+                self._drop_prompt(old, seq)
+            elif old is not None:  # its replica was removed while it waited (its KV went with it)
+                seq.pinned, seq.kv_pages = False, 0
+                self.counters["moved_tasks"] += 1
+            seq.replica = r
+            self._set_live(r, +1)
+            if seq.admitted:
+                r.footprints += seq.footprint
+        self._enqueue(r, seq)
+
+    def _route_soon(self) -> None:
+        """The router is called at this instant, after what is already on the heap for it (router.py)."""
+        now: float = self.loop._now
+        self._order += 1
+        heapq.heappush(self._heap, (now, self._order, None))
+        if not self._driving:
+            self._arm(now)
 
     # ---------------------------------------------------------------- serving
 
@@ -305,6 +361,9 @@ class ReplicaCore(KVModel):
                 self._span_busy += r.w_dur * self._replica_devices
             self._load_steps += r.w_step - r.steps
             self._load_busy += r.w_dur
+            if self._routing:  # the router's tokens/s of this replica, in virtual time
+                r.r_busy += r.w_dur
+                r.r_tokens += r.span_batch * (r.w_step - r.steps)
             r.steps = last = r.w_step
             ends = r.ends
             if ends and ends[0][0] <= last:  # turns of the span's last event (none end before it)
@@ -538,6 +597,8 @@ class ReplicaCore(KVModel):
                 x = pop(heap)[2]
                 if type(x) is _Replica:
                     self._wake(x)
+                elif x is None:  # SimConfig.router: a routing call (`_route_soon`)
+                    self.router.call()
                 else:
                     self._env_return(x)
         finally:
@@ -577,6 +638,13 @@ class ReplicaCore(KVModel):
         at += latency
         now: float = self.loop._now
         self._order += 1
+        if self._routing:  # the continuation goes to the router when its observation is back (`_env_return`)
+            at = at if at > now else now
+            heapq.heappush(self._heap, (at, self._order, s))
+            if not self._driving:
+                self._arm(at)
+            self.router.changed()  # this replica's load fell: what the router holds may fit now
+            return
         heapq.heappush(r.arrivals, (at if at > now else now, self._order, s))  # `_wake` schedules its wake
 
     def _finish(self, r: _Replica, s: _Seq) -> None:
@@ -584,12 +652,10 @@ class ReplicaCore(KVModel):
         s.kv_pages = 0
         r.footprints -= s.footprint
         s.footprint = 0
-        p = r.prompts.get(s.gid)
-        if p is not None:
-            p[1] -= 1
-            if p[1] <= 0:
-                del r.prompts[s.gid]
+        self._drop_prompt(r, s)
         self._set_live(r, -1)
+        if self._routing:
+            self.router.ended_task(s)
         self._finished.append(len(s.gen))
         self._finishes += 1
         if self._finishes % self._finished_window == 0 or self._finishes < self._finished_window:
@@ -603,6 +669,14 @@ class ReplicaCore(KVModel):
         w.left -= 1
         if w.left == 0 and not w.future.done():
             w.future.set_result(None)
+
+    def _drop_prompt(self, r: _Replica, s: _Seq) -> None:
+        """`s` no longer holds its group's prompt on `r` (it ended, or moved away)."""
+        p = r.prompts.get(s.gid)
+        if p is not None:
+            p[1] -= 1
+            if p[1] <= 0:
+                del r.prompts[s.gid]
 
     # ---------------------------------------------------------------- busy accounting
 

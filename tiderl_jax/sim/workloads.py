@@ -12,6 +12,13 @@ value the record does not give, chosen before any simulation and never adjusted 
 number). `check_workload` enforces the partition. When a paper's full setting becomes available,
 replace the assumption and move the field to `from_paper`.
 
+**Workload classes** (MISA-T's): every task carries a class, `rlvr` (single turn, long outputs: verifiable
+rewards), `rlhf` (single turn, medium outputs: a reward model) or `agentic` (multi-turn, long contexts, tool
+gaps), its workload's `task_class`. A **mixed** workload (`mixed`, `Workload.parts`) draws each GRPO group (one
+prompt: one class) from one of its parts, chosen with the part's share; `MISA_T_MIX` is the MISA-T paper's
+trace (Qwen3.6-35B-A3B on 4 x TP4 H100) at its trainer's target mixture, agentic / RLVR / RLHF = 48.6 / 33.1 /
+18.2 %.
+
 Distributions (all ours in form): lognormal for environment latency (heavy right tail: most tool
 calls are quick, a few are slow), for tokens per turn and for turns, clipped to their ranges;
 `Fixed` for a constant.
@@ -24,6 +31,8 @@ import math
 import typing
 
 import numpy as np
+
+from tiderl_jax.policies.misa_t import CLASSES, PAPER_TARGET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +143,26 @@ class Workload:
     assumed: tuple[str, ...]  # parameters that are ours
     notes: str = ""
     drift: Drift | None = None  # None: the same distributions all run long
+    task_class: str = "agentic"  # the class its tasks carry (one of CLASSES; a mixed workload: its parts')
+    # a mixed workload (`mixed`): (class, share, workload) per part; each group draws its tasks from one part.
+    # Its own distributions are its multi-turn part's (what the backend's aggregate estimates read)
+    parts: tuple[tuple[str, float, "Workload"], ...] = ()
 
     def __post_init__(self):
         check_workload(self)
+        if self.task_class not in CLASSES:
+            raise ValueError(f"workload {self.name!r}: task_class={self.task_class!r} is not one of {CLASSES}")
+        for cls, share, part in self.parts:
+            if cls != part.task_class or not share > 0 or part.parts:
+                raise ValueError(f"workload {self.name!r}: part {part.name!r} must be of class {cls!r}, with a "
+                                 f"share > 0 (got {share}), and not mixed itself")
+
+    def part(self, rng: np.random.Generator) -> "Workload":
+        """The workload one group draws its tasks from: itself, or (mixed) a part chosen by share with `rng`."""
+        if not self.parts:
+            return self
+        shares = np.array([share for _, share, _ in self.parts], float)
+        return self.parts[int(rng.choice(len(self.parts), p=shares / shares.sum()))][2]
 
     def at(self, progress: float, step: int = 0, seed: int = 0) -> "Workload":
         """The workload as it stands at training `progress` (its `drift`; itself without one): the medians
@@ -181,6 +207,7 @@ class TaskSample(typing.NamedTuple):  # (a tuple: a 1024-accelerator run makes ~
     obs_tokens: tuple[int, ...]  # per environment call: one between every two turns, none after the last
     env_latency_s: tuple[float, ...]  # per environment call
     truncated: bool  # stopped by max_context
+    cls: str = "agentic"  # its workload class (`Workload.task_class`)
 
     @property
     def context_tokens(self) -> int:
@@ -189,7 +216,9 @@ class TaskSample(typing.NamedTuple):  # (a tuple: a 1024-accelerator run makes ~
 
 def sample_task(w: Workload, rng: np.random.Generator) -> TaskSample:
     """One task's shape: turns of generation separated by environment calls; generation stops at
-    `max_context`, and so does an observation that would overflow it (as the real rollout does)."""
+    `max_context`, and so does an observation that would overflow it (as the real rollout does). A mixed
+    workload draws it from one of its parts (`Workload.part`)."""
+    w = w.part(rng)
     prompt = int(min(max(1, round(w.prompt_tokens.sample(rng))), w.max_context - 1))
     turns = int(min(max(1, round(w.turns.sample(rng))), w.max_turns))
     context, gen, obs, latency, truncated = prompt, [], [], [], False
@@ -210,7 +239,7 @@ def sample_task(w: Workload, rng: np.random.Generator) -> TaskSample:
         obs.append(observation)
         latency.append(float(w.env_latency_s.sample(rng)))
         context += observation
-    return TaskSample(prompt, tuple(gen), tuple(obs), tuple(latency), truncated)
+    return TaskSample(prompt, tuple(gen), tuple(obs), tuple(latency), truncated, w.task_class)
 
 
 _TIDERL_SOURCE = ("TideRL (settings in docs/mechanisms.md): text-only and multi-modal agentic workloads; the "
@@ -260,7 +289,7 @@ BIDIRL_MATH = Workload(
     prompt_tokens=ClippedLognormal(median=160, sigma=0.5, low=32, high=1024, integer=True),
     turns=Fixed(1),
     tokens_per_turn=ClippedLognormal(median=1200, sigma=0.8, low=32, high=8000, integer=True),
-    observation_tokens=Fixed(0), env_latency_s=Fixed(0.0),
+    observation_tokens=Fixed(0), env_latency_s=Fixed(0.0), task_class="rlvr",
     from_paper=("devices", "max_turns", "turns", "observation_tokens", "env_latency_s"),
     assumed=("model", "accelerator", "max_context", "prompts_per_step", "group_size", "prompt_tokens",
              "tokens_per_turn", "drift"),
@@ -319,8 +348,79 @@ WEBSHOP_DRIFT_WIDE_7B = dataclasses.replace(
     WEBSHOP_DRIFT_7B, name="webshop-drift-wide-7b", prompts_per_step=256,
     notes="webshop-drift-7b with 256 prompts per step, so rollout throughput binds (all ours).")
 
+
+def mixed(name: str, source: str, parts: dict[str, tuple[float, Workload]], notes: str = "") -> Workload:
+    """A mixed workload: each GRPO group's tasks come from one of `parts` ({class: (share, workload)}), chosen
+    with its share (`Workload.part`). The parts must share model, accelerator and devices; the mix's limits are
+    the largest of theirs, its own distributions its part with the most turns (what the backend's aggregate
+    estimates read: CTB's expected tool latency, ERS's mean context), and a parameter is the paper's only when
+    it is in every part."""
+    ws = [w for _, w in parts.values()]
+    for attr in ("model", "accelerator", "devices"):
+        if len({getattr(w, attr) for w in ws}) != 1:
+            raise ValueError(f"mixed workload {name!r}: its parts differ in {attr}")
+    longest = max(ws, key=lambda w: w.max_turns)
+    paper = tuple(p for p in PARAMETERS if all(p in w.from_paper for w in ws))
+    return dataclasses.replace(
+        longest, name=name, source=source, notes=notes, max_turns=max(w.max_turns for w in ws),
+        max_context=max(w.max_context for w in ws), from_paper=paper,
+        assumed=tuple(p for p in PARAMETERS if p not in paper),
+        parts=tuple((cls, float(share), w) for cls, (share, w) in parts.items()))
+
+
+# MISA-T's trace ("Scheduling Mixed RL Rollouts Beyond Prefix Locality", settings in docs/mechanisms.md): 128K
+# context, 4 replicas at TP 4 on 16 H100 (the Qwen3.6-35B-A3B setting); per request, median (p95) input / output
+# tokens: agentic 37,757 (103,209) / 148 (1,612) over 73,659 requests in 1,058 sessions (~70 turns each), RLHF
+# 60 (2,564) / 7,344 (24,447), RLVR 156 (1,129) / 47,583 (130,815); tool gaps 22.7% of agent time. Lognormal
+# sigmas from median and p95 (sigma = ln(p95 / median) / 1.645). The model is a dense 30B-class stand-in.
+_MISA_SOURCE = ("MISA-T (settings in docs/mechanisms.md): the paper's mixed trace at 128K context on 4 x TP4 "
+                "H100 replicas; per-class request medians and p95s from the trace, shapes ours")
+_MISA_PAPER = ("devices", "max_context", "turns", "tokens_per_turn", "prompt_tokens", "max_turns")
+_MISA_OURS = ("model", "accelerator", "prompts_per_step", "group_size", "observation_tokens", "env_latency_s",
+              "drift")
+
+
+def _misa_part(name, cls, notes, **shapes) -> Workload:
+    single = shapes["turns"] == Fixed(1)
+    paper = tuple(p for p in _MISA_PAPER if not single or p != "max_turns")
+    ours = _MISA_OURS + (("max_turns",) if single else ())
+    if single:  # single turn: no observation, no tool call (the paper's class definition)
+        paper, ours = paper + ("observation_tokens", "env_latency_s"), tuple(
+            p for p in ours if p not in ("observation_tokens", "env_latency_s"))
+        shapes.update(observation_tokens=Fixed(0), env_latency_s=Fixed(0.0))
+    return Workload(name=name, source=_MISA_SOURCE, model="qwen2.5-32b", accelerator="h100", devices=16,
+                    max_turns=shapes.pop("max_turns", 1), max_context=131072, prompts_per_step=64, group_size=1,
+                    from_paper=paper, assumed=ours, notes=notes, task_class=cls, **shapes)
+
+
+MISA_T_AGENTIC = _misa_part(
+    "misa-t-agentic", "agentic",
+    "~70 turns (the trace's requests per session), outputs as the trace's; the first prompt (4k median) and the "
+    "observations (420 median) ours, so the median request's context is near the trace's 37.7k; tool latency "
+    "(2 s median) ours", max_turns=256,
+    prompt_tokens=ClippedLognormal(median=4096, sigma=0.6, low=256, high=32768, integer=True),
+    turns=ClippedLognormal(median=60, sigma=0.55, low=1, high=256, integer=True),
+    tokens_per_turn=ClippedLognormal(median=148, sigma=1.45, low=1, high=32768, integer=True),
+    observation_tokens=ClippedLognormal(median=420, sigma=1.0, low=1, high=16384, integer=True),
+    env_latency_s=ClippedLognormal(median=2.0, sigma=1.0, low=0.05, high=120.0))
+MISA_T_RLVR = _misa_part(
+    "misa-t-rlvr", "rlvr", "single turn, the trace's long outputs",
+    prompt_tokens=ClippedLognormal(median=156, sigma=1.2, low=8, high=16384, integer=True), turns=Fixed(1),
+    tokens_per_turn=ClippedLognormal(median=47583, sigma=0.61, low=64, high=131072, integer=True))
+MISA_T_RLHF = _misa_part(
+    "misa-t-rlhf", "rlhf", "single turn, the trace's medium outputs",
+    prompt_tokens=ClippedLognormal(median=60, sigma=2.28, low=4, high=16384, integer=True), turns=Fixed(1),
+    tokens_per_turn=ClippedLognormal(median=7344, sigma=0.73, low=16, high=131072, integer=True))
+MISA_T_MIX = mixed(
+    "misa-t-mix", _MISA_SOURCE,
+    {"agentic": (PAPER_TARGET["agentic"], MISA_T_AGENTIC), "rlvr": (PAPER_TARGET["rlvr"], MISA_T_RLVR),
+     "rlhf": (PAPER_TARGET["rlhf"], MISA_T_RLHF)},
+    notes="the MISA-T trace's three classes at the trainer's target mixture (agentic / RLVR / RLHF = 48.6 / 33.1 "
+          "/ 18.2 %); a dense 30B-class model stands in for the paper's MoE")
+
 PRESETS = {w.name: w for w in (TIDERL_TEXT_7B, TIDERL_TEXT_14B, TIDERL_MULTIMODAL, BIDIRL_MATH, WEBSHOP_7B,
-                               ALFWORLD_7B, WEBSHOP_DRIFT_7B, WEBSHOP_DRIFT_WIDE_7B)}
+                               ALFWORLD_7B, WEBSHOP_DRIFT_7B, WEBSHOP_DRIFT_WIDE_7B,
+                               MISA_T_AGENTIC, MISA_T_RLVR, MISA_T_RLHF, MISA_T_MIX)}
 
 
 def drift_sampler(w: Workload, *, groups_per_step: int, steps: int, seed: int, sample_tasks):
