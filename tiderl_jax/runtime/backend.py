@@ -7,6 +7,7 @@ took. Two implement the same interface, so the simulator runs the controller's o
 - `JaxBackend` (here): the rollout service on the rollout devices (one engine over the whole rollout mesh,
   or with `replicas="group"` one engine replica per rollout device group behind the router), the trainer
   on the train mesh, the reference scorer on the ref mesh, weight sync between them; wall-clock time.
+  With `replicas="group"` it also hot-switches devices for BiDiRL (`lend` / `take_back`, `hot_switch.py`).
 - `sim.backend.SimBackend`: cost-modelled devices on a virtual clock.
 
 The interface (`Backend`): `clock()` is the controller's only time source; `pool` holds the device
@@ -35,14 +36,15 @@ from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, make_mesh, place_cop
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
 from tiderl_jax.runtime.devices import WeightSync, model_on
+from tiderl_jax.runtime.hot_switch import HotSwitches
 from tiderl_jax.runtime.pool import Backend, DevicePool, group_mesh, lanes_of, split_devices  # noqa: F401
 from tiderl_jax.serving.service import RolloutService, ServiceConfig
 
 REPLICAS = ("mesh", "group")
 
 
-class JaxBackend:
-    """The real devices (see the module docstring)."""
+class JaxBackend(HotSwitches):
+    """The real devices (see the module docstring; BiDiRL's switches: `hot_switch.HotSwitches`)."""
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, *, kv_mode: str, pool: DevicePool | None,
                  engine_config: EngineConfig, rollout_config: RolloutConfig, trainer_config: TrainerConfig,
@@ -94,6 +96,7 @@ class JaxBackend:
             rollout_config, mode=kv_mode))  # "ctb" | "request" (ControllerConfig.kv_mode)
         self.sync = WeightSync()
         self.last_sync_error: str | None = None  # the last failed publish's error and stage (None after a success)
+        self._init_switches()
 
     clock = staticmethod(time.perf_counter)
 
@@ -158,7 +161,11 @@ class JaxBackend:
 
     async def train(self, trajectories) -> dict:
         compiled = self.trainer.compile_s
-        out = await asyncio.to_thread(self.trainer.rl_step, trajectories)
+        self._training = True
+        try:
+            out = await asyncio.to_thread(self.trainer.rl_step, trajectories)
+        finally:
+            self._training = False
         return dict(out, compile_s=self.trainer.compile_s - compiled)
 
     async def publish(self, version: int) -> bool:
@@ -172,8 +179,13 @@ class JaxBackend:
             return self.sync.publish(self.trainer.params, version,
                                      target_shardings=rep.engine.runner.param_shardings,
                                      drain=lambda: None, swap=rep.engine.update_params)
-        records = await self.service.command_all(swap)
-        failed = [(rep.id, r) for rep, r in zip(self.service.live(), records) if not r.ok]
+        # replicas lent to the trainer: they serve this version when they come back
+        paused = [rep for rep in self._paused_replicas() if rep.driver is not None]
+        live = self.service.live() + paused
+        records = list(await asyncio.gather(self.service.command_all(swap),
+                                            *(rep.driver.command(lambda rep=rep: swap(rep)) for rep in paused)))
+        records = records[0] + records[1:]
+        failed = [(rep.id, r) for rep, r in zip(live, records) if not r.ok]
         self.last_sync_error = "; ".join(
             f"{r.error} (at the {r.stage} stage" + (f", replica {i})" if len(records) > 1 else ")") for i, r in failed
         ) or None
@@ -183,6 +195,8 @@ class JaxBackend:
         """One device group changes role; only the parts whose devices changed move (the trainer
         reshards, the engine rebuilds on its new mesh, the reference scorer moves to its new mesh or,
         with no ref group left, goes: the ref pass then runs colocated in the train step)."""
+        if self._lent is not None:
+            raise RuntimeError("JaxBackend.move: devices are lent (BiDiRL); take_back before an ERS move")
         old, self.pool = self.pool, self.pool.moved(from_role, to_role)
         changed = {from_role, to_role}
         if "train" in changed:
@@ -210,7 +224,7 @@ class JaxBackend:
             await self.runner.command(lambda: self.engine.move_to(engine_model))
 
     def compile_s(self) -> float:
-        return sum(e.compile_s for e in self.engines) + self.trainer.compile_s
+        return sum(e.compile_s for e in self.engines) + self._lent_compile_s() + self.trainer.compile_s
 
     def move_costs(self) -> dict[tuple[str, str], float]:
         """ERS's predicted seconds of each move before one is measured: a move rebuilds only the parts whose

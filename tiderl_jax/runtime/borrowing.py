@@ -5,7 +5,9 @@ predicts a gain above switch-in + switch-out (+ the gradient merge when the trai
 waits for data the rollout may borrow the train devices until the batch is ready; while the producer is blocked
 by the staleness bound, the trainer may borrow the rollout devices that have no task, for one train step. The
 gain model's `scaling` is re-measured after each rollout borrow from the sample arrival rate during it versus
-before it. A mixin of `Controller` (its state is the controller's: pool, backend, timings, arrivals).
+before it. The switch costs weighed are the backend's (`switch_costs`: measured switches on the JAX backend,
+`runtime/hot_switch.py`; the cost model's on the simulator), and each borrow record keeps them beside the switch
+seconds measured here. A mixin of `Controller` (its state is the controller's: pool, backend, timings, arrivals).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ class Borrowing:
             return None
         t0 = self.clock()
         await self.backend.lend(d.lender, d.borrower, d.devices)
+        # switch_in_s / switch_out_s: as measured here (wall on the backend's clock); predicted_*: what was weighed
         record = dict(step=self.step, borrower=d.borrower, devices=d.devices, predicted_gain_s=d.gain_s,
-                      predicted_cost_s=d.cost_s, remaining_s=signals.remaining_s, start=t0,
+                      predicted_cost_s=d.cost_s, predicted_switch_in_s=signals.switch_in_s,
+                      predicted_switch_out_s=signals.switch_out_s, remaining_s=signals.remaining_s, start=t0,
                       switch_in_s=self.clock() - t0, rate_before=self._arrival_rate())
         log.info("BiDiRL: %s borrows %d %s device(s) (%s)", d.borrower, d.devices, d.lender, d.reason)
         return record

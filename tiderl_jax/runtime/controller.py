@@ -25,8 +25,11 @@ The modes are settings of this one loop, not code paths:
   data, the rollout may borrow the train devices (returned, switch-out paid, when the batch is
   ready); while the producer is blocked by the staleness bound, the trainer may borrow the rollout
   devices that have no task, for one train step. It needs a backend that hot-switches devices
-  (`lend` / `take_back`: the simulator's); the gain model's `scaling` is re-measured after each
-  rollout borrow from the sample arrival rate during it versus before it.
+  (`lend` / `take_back`): the simulator's, or `JaxBackend` with `rollout_replicas="group"` (a lent
+  train group serves as a temporary rollout replica; the trainer's state moves onto a mesh over its
+  own and the lent replicas' devices: `runtime/hot_switch.py`). Switch costs are the backend's
+  measured ones (estimated from bytes before the first switch); the gain model's `scaling` is
+  re-measured after each rollout borrow from the sample arrival rate during it versus before it.
 
 Everything the decisions read is measured here: step times, per-micro-batch actor and ref times,
 ready-at-start counts, arrival gaps, trainer idle time, head-of-line latency.
@@ -111,6 +114,9 @@ class Controller(Borrowing):
                                           step_timeout_s=config.env_step_timeout_s)
             self._make_env = EnvPool(self._make_env, checkpoint)  # processes reused across tasks
         if backend is None:
+            if config.bidirl and config.rollout_replicas != "group":
+                raise ConfigError("controller.bidirl on the JAX backend lends whole rollout replicas: set "
+                                  "controller.rollout_replicas='group' (one engine replica per device group)")
             if model is None or tokenizer is None or None in (engine_config, rollout_config, trainer_config):
                 raise ConfigError("Controller needs a backend, or a model, a tokenizer and the engine, "
                                   "rollout and trainer configs to build one")
@@ -132,7 +138,11 @@ class Controller(Borrowing):
                                      health_threshold=config.engine_worker_health_checks))
         if config.bidirl and not hasattr(backend, "lend"):
             raise ConfigError(f"controller.bidirl needs a backend that hot-switches devices between roles "
-                              f"(lend / take_back: sim.backend.SimBackend); {type(backend).__name__} cannot")
+                              f"(lend / take_back: sim.backend.SimBackend, runtime.backend.JaxBackend); "
+                              f"{type(backend).__name__} cannot")
+        why = backend.cannot_lend() if config.bidirl and hasattr(backend, "cannot_lend") else None
+        if why:
+            raise ConfigError(f"controller.bidirl: {why}")
         self.backend = backend
         self.clock = backend.clock
         self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=backend.lanes(), clock=self.clock,
