@@ -399,19 +399,21 @@ class Controller(Borrowing):
             self.ready = collections.deque(self.ready[i] for i in staleness.consumption_order(versions))
         with self.metrics.data_wait():
             lent = await self._rollout_borrow(batch) if self.cfg.bidirl else None
-            while len(batch) < self.cfg.groups_per_step:
-                while not self.ready:
-                    self._check_run()
-                    self._wake.clear()
-                    await self._wake.wait()
-                    arrivals.append(self.clock())
-                group = self.ready.popleft()
-                # it may have aged in the buffer since it arrived; what is dropped now is replaced
-                self.accepted -= self._drop_stale(group)
-                if group.trajectories:
-                    batch.append(group)
-            if lent is not None:
-                await self._return_borrowed(lent)
+            try:
+                while len(batch) < self.cfg.groups_per_step:
+                    while not self.ready:
+                        self._check_run()
+                        self._wake.clear()
+                        await self._wake.wait()
+                        arrivals.append(self.clock())
+                    group = self.ready.popleft()
+                    # it may have aged in the buffer since it arrived; what is dropped now is replaced
+                    self.accepted -= self._drop_stale(group)
+                    if group.trajectories:
+                        batch.append(group)
+            finally:  # the trainer's devices come back even when the run stops while waiting
+                if lent is not None:
+                    await self._return_borrowed(lent)
         waited = self.clock() - t0
         gaps = np.diff([t0] + arrivals) if arrivals else []
         if len(gaps):
@@ -450,13 +452,15 @@ class Controller(Borrowing):
         if any(g.ref_job is not None for g in batch):  # the trainer waits (idle) for decoupled ref scores
             await asyncio.gather(*(g.ref_job for g in batch if g.ref_job is not None))
         lent = await self._train_borrow() if self.cfg.bidirl else None
-        with self.metrics.span("train", "train"):
-            t0 = self.clock()
-            out = await self.backend.train(trajs)
-            dt = self.clock() - t0
-        if lent is not None:
-            await self._return_borrowed(lent)
-        else:
+        try:
+            with self.metrics.span("train", "train"):
+                t0 = self.clock()
+                out = await self.backend.train(trajs)
+                dt = self.clock() - t0
+        finally:  # the lent rollout devices come back even when the step raised
+            if lent is not None:
+                await self._return_borrowed(lent)
+        if lent is None:
             self._timings["train_own"] = dt - out.get("compile_s", 0.0)  # BiDiRL's prediction of a train step
         # steady-state times per micro-batch (one group each), compiles left out: RA2P's signals
         compile_s = out.pop("compile_s", 0.0)

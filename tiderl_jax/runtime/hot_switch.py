@@ -221,9 +221,8 @@ class HotSwitches:
                           sessions_moved=moved)
         else:
             await asyncio.to_thread(self._move_trainer, lent["home_mesh"], lent["home_programs"])
-            for rep in lent["paused"]:
+            for rep in lent["paused"]:  # routed to again from the service's next tick
                 rep.alive = True
-            self.service._route(force=True)  # turns held while they were paused may go there now
             record = dict(groups=lent["groups"], replicas=[r.id for r in lent["paused"]], bytes=self._state_bytes())
         self._lent = None
         self._log_switch("out", lent["lender"], lent["borrower"], t0, compiled, record)
