@@ -23,7 +23,8 @@ The views follow the service's conventions:
   observation, its own prefix-cache entry of the current version, else its group's prompt held there: the KV
   model's hit rules, kv.py); the prompt tokens admitted there and those found cached since the last call; tokens
   prefilled and decoded per busy second there, in virtual time, over its life (0 before its first event);
-  `queued_tokens` = the contexts of its waiting turns.
+  `queued_tokens` = the engine's "context of the waiting ones not computed yet": a waiting turn's whole context
+  (the engine matches prefix-cache blocks only when it admits it), a pinned resume's new observation (CTB).
 
 Tasks that end are reported at the next call as `SessionEnd(session, class, context tokens)` (MISA-T learns its
 class estimates and releases its protected KV); `finished` logs each task's (class, first offered, ended) for
@@ -134,8 +135,8 @@ class SimRouter:
     def _view(self, r, seqs) -> routing.Replica:
         ps = self.core.ps
         waiting = len(r.queue) + len(r.pending) + len(r.arrivals)
-        queued = (sum(s.ctx for s in r.queue) + sum(s.ctx for s in r.pending)
-                  + sum(entry[2].ctx for entry in r.arrivals))
+        queued = (sum(self._to_compute(r, s) for s in r.queue) + sum(self._to_compute(r, s) for s in r.pending)
+                  + sum(self._to_compute(r, entry[2]) for entry in r.arrivals))
         pinned = sum(s.kv_pages for s in r.pinned) * ps
         cached = {}
         for s in seqs:
@@ -149,6 +150,10 @@ class SimRouter:
                                kv_free_tokens=max(0, r.capacity - r.used) * ps,
                                tokens_per_s=r.r_tokens / r.r_busy if r.r_busy > 0 else 0.0, cached_tokens=cached,
                                hit_tokens=hits, prefill_tokens=prompts, queued_tokens=queued)
+
+    @staticmethod
+    def _to_compute(r, s) -> int:
+        return s.new_tokens if s.pinned and s.replica is r else s.ctx
 
     @staticmethod
     def _cached(r, s, ps: int) -> int:
