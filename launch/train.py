@@ -136,7 +136,7 @@ def _evaluate(controller, tokenizer, cfg, rollout, when: str, data=None) -> dict
         config = dataclasses.replace(rollout, temperature=temperature, mode="request", seed=cfg.seed + 7)
         tasks = _heldout(cfg, data, cfg.eval.tasks)
         bar = Progress(f"held-out {when} ({name})", len(tasks), unit="task", every=len(tasks) // 4 or 1)
-        trajectories = evaluate.sample_groups(controller.engine, tokenizer, tasks, 1, config, progress=bar.update,
+        trajectories = evaluate.sample_groups(_every_replica(controller), tokenizer, tasks, 1, config, progress=bar.update,
                                               make_env=data.make_env if data is not None else None)
         bar.close()
         evaluate.save_readable(trajectories, tokenizer,
@@ -151,6 +151,16 @@ def _evaluate(controller, tokenizer, cfg, rollout, when: str, data=None) -> dict
 def evaluation_modes(cfg, rollout) -> tuple[tuple[str, float], ...]:
     """The held-out evaluation's (name, temperature) pairs: greedy, and sampled unless `eval.sampled` is off."""
     return (("greedy", 0.0),) + ((("sampled", rollout.temperature),) if cfg.eval.get("sampled", True) else ())
+
+
+def _every_replica(controller):
+    """What the held-out evaluation runs on: the one rollout engine, or a rollout service over every replica
+    (`controller.rollout_replicas=group`; the least-loaded router spreads the tasks)."""
+    engines = controller.backend.engines
+    if len(engines) == 1:
+        return engines[0]
+    from tiderl_jax.serving.service import RolloutService, ServiceConfig
+    return RolloutService(engines, ServiceConfig(policy="least_loaded"))
 
 
 def _evaluation_during_rl(controller, tokenizer, cfg, data=None):
@@ -272,6 +282,7 @@ def _main(cfg):
         ccfg, tcfg, ecfg, rcfg, sft_cfg = config_lib.rl_configs(cfg)
         tokenizer = config_lib.build_tokenizer(cfg)
         data = config_lib.build_data(cfg)  # None: the built-in tasks
+        mixed = config_lib.build_mixture(cfg)  # None: no workload mixture (mixture.target)
         if data is None:
             _check_prompts(cfg, tokenizer)
         else:
@@ -303,7 +314,7 @@ def _main(cfg):
     try:
         controller = Controller(model, tokenizer, config=ccfg, engine_config=ecfg, rollout_config=rcfg,
                                 trainer_config=tcfg, latency=LatencyModel(**cfg.latency.to_dict()),
-                                logdir=cfg.logdir, rules=rules, task_source=data and data.train,
+                                logdir=cfg.logdir, rules=rules, task_source=(data and data.train) or mixed,
                                 make_env=data and data.make_env)
         resumed = controller.restore()
     except ConfigError as e:
@@ -334,7 +345,8 @@ def _main(cfg):
             summary = asyncio.run(controller.run(on_step=_evaluation_during_rl(controller, tokenizer, cfg, data)))
             state.save(rl_summary=dict(summary, rewards=controller.metrics.rewards, step=controller.step,
                                        ledger_accounts=_ledger(controller, state), ers_moves=list(controller.moves),
-                                       ers_refusal_last=controller.ers_history.refused))
+                                       ers_refusal_last=controller.ers_history.refused,
+                                       **({"mixture": _mixture_consumed(controller, mixed)} if mixed else {})))
         summary = state.data["rl_summary"]
         summary.setdefault("step", controller.step)  # a run_state.json from before these were kept
         summary.setdefault("ledger_accounts", _ledger(controller, state))
@@ -380,8 +392,20 @@ def _main(cfg):
                 controller.checkpointer.close()
 
 
+def _mixture_consumed(controller, mixed) -> dict:
+    """The workload mixture the trainer consumed (its trained samples' classes) against the target."""
+    from tiderl_jax.policies.misa_t import mixture_deviation
+
+    trained = {cls: 0 for cls in mixed.target}
+    for group, _ in controller.consumed:
+        trained[mixed.class_of(group)] += 1
+    return dict(target=dict(mixed.target), trained=trained, deviation=mixture_deviation(mixed.target, trained))
+
+
 def _describe_tasks(cfg, data, too_long: int) -> str:
     if data is None:
+        if cfg.mixture.get("target", ""):
+            return f"tasks mixed {cfg.mixture.target} (mixture.*.kinds)"
         return f"tasks {', '.join(cfg.tasks)}"
     train = (f"train {cfg.data.train_files} ({len(data.train)} rows)" if data.train is not None
              else "train: the built-in tasks " + ", ".join(cfg.tasks))

@@ -4,12 +4,14 @@ Every replica is the same tiny model on its own faked CPU device; greedy rollout
 replicas, any policy, a replica failing or leaving mid-run must give the trajectories one engine gives."""
 
 import asyncio
+import dataclasses
 
 import jax
 import pytest
 from flax import nnx
 
 from tiderl_jax.agents import tasks as T
+from tiderl_jax.agents.env import StepResult, Task
 from tiderl_jax.agents.rollout import EngineFailed, RolloutConfig, RolloutRunner
 from tiderl_jax.engine.engine import Engine, EngineConfig, Request
 from tiderl_jax.engine.sampling import SamplingParams
@@ -18,6 +20,7 @@ from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.policies import routing
+from tiderl_jax.policies.misa_t import MISATConfig
 from tiderl_jax.runtime.devices import model_on
 from tiderl_jax.serving.service import RolloutService, ServiceConfig
 
@@ -170,6 +173,68 @@ def test_a_replica_removed_and_one_added_mid_run_lose_nothing(reference):
     assert moved and service.counters["rerouted"] == 0
     with pytest.raises(KeyError, match="no replica 0"):
         service.replica(0)
+
+
+class _Answer:  # a single-turn environment: the first reply ends the session
+    async def reset(self, task):
+        return task.prompt
+
+    async def step(self, action):
+        return StepResult(None, 1.0, True, {})
+
+
+def test_misa_t_admits_a_starved_class_within_its_bound_through_the_service(monkeypatch):
+    """One session fits at a time and the target is 99% rlhf: mixture steering alone would hold the second
+    agentic session until every rlhf session ran. The starvation bound admits it first once it has been held
+    max_hold_epochs epochs (MISA-T's rule; an epoch is one routing call of the service)."""
+    hold = 4
+    cfg = MISATConfig(target={"agentic": 1.0, "rlhf": 99.0}, prior_kv_tokens={"agentic": 111, "rlhf": 111},
+                      prior_residency_s={"agentic": 1.0, "rlhf": 1.0}, max_hold_epochs=hold)
+    # every session holds 111 tokens of KV (a 107-token prompt, 4 new); the replica holds 160: one at a time
+    small = dataclasses.replace(ENGINE, num_pages=11, max_seq_len=160)
+    service = RolloutService([_engine(0, small)], ServiceConfig(policy="misa_t", router=routing.RouterConfig(misa_t=cfg)))
+    decisions = []  # (epoch, {session: "placed" | "held"}) of every routing call that saw a new session
+    route = routing.route
+
+    def recording(policy, requests, replicas, state, config, **kw):
+        out = route(policy, requests, replicas, state, config, **kw)
+        placed = {p.request_id for p in out.placements}
+        seen = {(r.cls, r.session): "placed" if r.request_id in placed else "held" for r in requests if r.turn == 0}
+        if seen:
+            decisions.append((state.misa_t.epoch, seen))
+        return out
+    monkeypatch.setattr(routing, "route", recording)
+
+    def task(cls, i):
+        return Task(f"{cls}-{i}", cls, "hello", "", {"workload_class": cls, "max_turns": 1, "max_new_tokens": 4})
+    tasks = [task("rlhf", 0), task("agentic", 0), task("agentic", 1)] + [task("rlhf", i) for i in range(1, 12)]
+    # the runner's own CTB admission out of the way: the router is the admission point
+    runner = RolloutRunner(service, TOK, dataclasses.replace(ROLLOUT, max_context=160, kv_budget_tokens=10**9))
+
+    async def main():
+        await runner.start(lambda t: _Answer())
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(runner.submit(t, g) for g, t in enumerate(tasks))), 120)
+        finally:
+            await asyncio.wait_for(runner.stop(), 30)
+    trajs = asyncio.run(main())
+    assert all(t.failure is None and t.reward == 1.0 for t in trajs)  # nothing lost
+    order = [(epoch, session) for epoch, seen in decisions for session, what in seen.items() if what == "placed"]
+    first_held = {}
+    for epoch, seen in decisions:
+        for session, what in seen.items():
+            if what == "held":
+                first_held.setdefault(session, epoch)
+    sessions = [session for _, session in order]
+    assert len(set(sessions)) == len(sessions) == len(tasks)  # each admitted once
+    late = [s for s in sessions if s[0] == "agentic"][1]  # the first one is the mixture's pick; this one starves
+    overdue_at = first_held[late] + hold
+    admitted_at = next(epoch for epoch, s in order if s == late)
+    # once overdue, only sessions held before it (older, overdue first) went ahead of it: it did not wait for the
+    # rlhf stream to drain
+    assert not [s for epoch, s in order if overdue_at <= epoch < admitted_at and s != late
+                and first_held.get(s, epoch) >= first_held[late]]
+    assert sessions.index(late) < len(sessions) - 1, sessions
 
 
 def test_bad_service_configs_are_named():

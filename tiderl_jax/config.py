@@ -8,6 +8,8 @@ typed values (`ModelConfig`, a mesh, a rule table). The skeleton is locked by th
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ml_collections import ConfigDict
 
 from tiderl_jax.model.config import ConfigError, ModelConfig
@@ -57,6 +59,18 @@ DATA_DEFAULTS = {
 }
 
 
+# The `mixture` section: workload classes mixed by the target the trainer asks for (tiderl_jax/data/mixture.py,
+# docs/data.md "Workload mixture"). Each class: its built-in task kinds ("" for agentic: config.tasks) and turn
+# limits (0: the rollout's). The built-in streams give each class its shape (turns, output lengths); the rewards
+# are the tasks' own (exact answers, the code's tests).
+MIXTURE_DEFAULTS = {
+    "target": "",  # e.g. "agentic=48.6,rlvr=33.1,rlhf=18.2" (the MISA-T paper's); "": config.tasks in turn
+    "agentic": {"kinds": "", "max_turns": 0, "max_new_tokens": 0},  # multi-turn, tool gaps
+    "rlvr": {"kinds": "python", "max_turns": 1, "max_new_tokens": 0},  # single turn, long outputs, verified
+    "rlhf": {"kinds": "calculator", "max_turns": 1, "max_new_tokens": 0},  # single turn, medium outputs, a rule
+}
+
+
 def main_job_sections(c: ConfigDict, *, logdir: str) -> ConfigDict:
     """Every section `launch/train.py` reads, each key at its default, added to a model preset's config `c`
     (a preset then sets what it needs: `configs/tiny_agentic.py`, `configs/qwen2_5_0_5b.py`, ...). Each
@@ -88,6 +102,7 @@ def main_job_sections(c: ConfigDict, *, logdir: str) -> ConfigDict:
     # every RL checkpoint (controller.checkpoint_every), to logdir/hf_export_steps/step_N/
     c.export_every_checkpoint = False
     c.data = ConfigDict(DATA_DEFAULTS)
+    c.mixture = ConfigDict(MIXTURE_DEFAULTS)
     c.controller = section(ControllerConfig, exclude=("task_kinds",))
     c.engine = section(EngineConfig)
     c.rollout = section(RolloutConfig, exclude=("mode", "kv_budget_tokens"))
@@ -401,6 +416,7 @@ def check_main_job(c: ConfigDict, num_devices: int | None = None) -> None:
                               "data.train_files set, start from a checkpoint (--config.checkpoint=...)")
         if not data.get("reward_timeout_s", 1.0) > 0:
             raise ConfigError(f"data.reward_timeout_s={data.reward_timeout_s} must be > 0")
+    _check_mixture(c, kinds)
     if warm == "scratch" and c.model.image_patch_dim > 0 and c.model.image_token_id is None:
         from tiderl_jax.model.tokenizer import IMAGE_TOKEN  # a vision model's image token: the tokenizer's
         with c.unlocked():
@@ -557,6 +573,64 @@ def checkpoint_config(path: str) -> ModelConfig:
         return read_gguf_config(open_gguf(path))
     from tiderl_jax.model.hf_io import read_hf_config
     return read_hf_config(path)
+
+
+def _mixture_classes(c: ConfigDict, kinds: Sequence[str]) -> dict[str, tuple[tuple[str, ...], int, int]]:
+    """{class: (kinds, max_turns, max_new_tokens)} of the classes with a target share (0: the rollout's)."""
+    from tiderl_jax.data import mixture
+
+    section = c.mixture
+    try:
+        target = mixture.parse_mixture(section.target)
+    except ValueError as e:
+        raise ConfigError(f"mixture.target: {e}") from None
+    out = {}
+    for cls, share in target.items():
+        if share <= 0:
+            continue
+        spec = section.get(cls, None) or ConfigDict(MIXTURE_DEFAULTS[cls])
+        out[cls] = (tuple(k.strip() for k in str(spec.get("kinds", "")).split(",") if k.strip()) or tuple(kinds),
+                    int(spec.get("max_turns", 0)), int(spec.get("max_new_tokens", 0)))
+    return out
+
+
+def _check_mixture(c: ConfigDict, kinds: Sequence[str]) -> None:
+    section = c.get("mixture", None)
+    if section is None or not section.get("target", ""):
+        return
+    from tiderl_jax.agents import tasks as task_lib
+
+    if c.get("data", None) is not None and c.data.get("train_files", ""):
+        raise ConfigError("mixture.target mixes the built-in task streams; it cannot be combined with "
+                          "data.train_files (unset one of them)")
+    for cls, (class_kinds, turns, new) in _mixture_classes(c, kinds).items():
+        unknown = [k for k in class_kinds if k not in task_lib.GENERATORS]
+        if unknown:
+            raise ConfigError(f"mixture.{cls}.kinds: unknown kind(s) {unknown}; known: {sorted(task_lib.GENERATORS)}")
+        for key, v in (("max_turns", turns), ("max_new_tokens", new)):
+            if v < 0:
+                raise ConfigError(f"mixture.{cls}.{key}={v} must be >= 0 (0: the rollout's)")
+        if new and new >= c.rollout.max_context:
+            raise ConfigError(f"mixture.{cls}.max_new_tokens={new} leaves no room for a prompt in "
+                              f"rollout.max_context={c.rollout.max_context}")
+
+
+def build_mixture(cfg):
+    """The train task stream of `mixture.target` (`data.mixture.MixedTasks` over the classes' built-in kinds, in
+    turn within each class), or None when no target is set. Call after `check_main_job`."""
+    section = cfg.get("mixture", None)
+    if section is None or not section.get("target", ""):
+        return None
+    from tiderl_jax.agents import tasks as task_lib
+    from tiderl_jax.data import mixture
+
+    seed = cfg.controller.get("data_seed", 0)
+
+    def stream(class_kinds):
+        return lambda j: task_lib.make_task(class_kinds[j % len(class_kinds)], j // len(class_kinds), "train", seed)
+    classes = {cls: mixture.ClassSpec(stream(k), max_turns=turns or None, max_new_tokens=new or None)
+               for cls, (k, turns, new) in _mixture_classes(cfg, _kinds(cfg)).items()}
+    return mixture.MixedTasks(classes, mixture.parse_mixture(section.target))
 
 
 def build_data(cfg):

@@ -147,6 +147,7 @@ def summary_rows(*, mode: str, rl: dict, batch_samples: int, before: dict, after
              ("step time", f"{rl['step_time_s']:.2f}s"),
              ("waiting (device-s)", f"rollout {rl['rollout_wait_s']:.0f}, trainer {rl['trainer_wait_s']:.0f}"),
              ("KV hit rate", f"{rl['kv_hit_rate']:.3f}"),
+             *([("mixture", mixture_line(rl["mixture"]))] if rl.get("mixture") else []),
              ("samples (whole run)", ledger[0]), ("", ledger[1]),
              ("moves", ers_line(rl.get("ers_moves", []), rl.get("ers_refused", 0), rl.get("ers_refusal_last", ""),
                                 rl.get("ers_refusals"))),
@@ -155,6 +156,13 @@ def summary_rows(*, mode: str, rl: dict, batch_samples: int, before: dict, after
              ("total wall time", f"{total_s:.0f}s (total_wall_s: every phase of this invocation: "
                                  + ", ".join(f"{k} {v:.0f}s" for k, v in phases_s.items() if v >= 0.5) + ")")]
     return rows + list(files.items())
+
+
+def mixture_line(m: dict) -> str:
+    """The workload mixture row: target and trained shares per class, and the deviation."""
+    total = max(1, sum(m["trained"].values()))
+    shares = ", ".join(f"{cls} {share:.3f} -> {m['trained'].get(cls, 0) / total:.3f}" for cls, share in m["target"].items())
+    return f"target -> trained share: {shares}; deviation {m['deviation']:.3f} (0.5 * sum |target - trained|)"
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:

@@ -101,10 +101,19 @@ class RolloutConfig:
             raise ValueError(f"footprint_horizon {self.footprint_horizon!r} is not 'task' or 'turn'")
 
 
+def turn_limits(task: Task, config: RolloutConfig) -> tuple[int, int]:
+    """(max_turns, max_new_tokens per turn) of a task: its own (`Task.data["max_turns"]`,
+    `["max_new_tokens"]`, e.g. its workload class's: `data.mixture`), else the config's."""
+    turns, tokens = task.data.get("max_turns", config.max_turns), task.data.get("max_new_tokens", config.max_new_tokens)
+    if not (isinstance(turns, int) and turns >= 1 and isinstance(tokens, int) and tokens >= 1):
+        raise ValueError(f"task {task.task_id}: max_turns={turns!r} and max_new_tokens={tokens!r} must be ints >= 1")
+    return turns, tokens
+
+
 def workload_class(task: Task, config: RolloutConfig) -> str:
     """A task's workload class for the router (`policies.routing.CLASSES`): its own
     (`Task.data["workload_class"]`), else `agentic` when it may take several turns, `rlvr` when one."""
-    return task.data.get("workload_class") or ("agentic" if config.max_turns > 1 else "rlvr")
+    return task.data.get("workload_class") or ("agentic" if turn_limits(task, config)[0] > 1 else "rlvr")
 
 
 def system_prompt(task: Task) -> str:
@@ -216,13 +225,17 @@ class RolloutRunner:
             return self._fail(traj, s, "engine_error", str(e))
         context = encoded.ids
         traj.extend(context, generated=False, images=encoded.images)
-        if len(context) + cfg.max_new_tokens > cfg.max_context:  # not one turn fits: the config cannot work
-            room = cfg.max_context - cfg.max_new_tokens
+        try:
+            max_turns, max_new = turn_limits(s.task, cfg)
+        except ValueError as e:
+            return self._fail(traj, s, "bad_task", str(e))
+        if len(context) + max_new > cfg.max_context:  # not one turn fits: the config cannot work
+            room = cfg.max_context - max_new
             log.warning("task %s: its prompt (%d tokens) leaves no room for a turn (rollout.max_context=%d, "
-                        "max_new_tokens=%d)", s.task.task_id, len(context), cfg.max_context, cfg.max_new_tokens)
+                        "max_new_tokens=%d)", s.task.task_id, len(context), cfg.max_context, max_new)
             return self._fail(traj, s, "prompt_too_long",
                               f"the prompt is {len(context)} tokens; rollout.max_context={cfg.max_context} leaves "
-                              f"room for at most {room} with max_new_tokens={cfg.max_new_tokens}")
+                              f"room for at most {room} with max_new_tokens={max_new}")
         stop = self.tok.stop_ids
         marks = [len(traj.tokens)]  # trajectory length after the prompt, then after each observation
         await admission.acquire(s, self._footprint(s, len(context)))
@@ -230,11 +243,11 @@ class RolloutRunner:
             turn = -1
             while True:
                 turn += 1
-                if turn >= cfg.max_turns:
+                if turn >= max_turns:
                     traj.end_reason = "max_turns"
                     break
                 seed = zlib.crc32(f"{s.seed}/{s.task.task_id}/{s.sample}".encode()) % 2**31
-                sampling = SamplingParams(temperature=s.temperature, max_new_tokens=cfg.max_new_tokens,
+                sampling = SamplingParams(temperature=s.temperature, max_new_tokens=max_new,
                                           seed=seed, stop_ids=stop)
                 s.active = True
                 t0 = time.perf_counter()
@@ -288,7 +301,7 @@ class RolloutRunner:
                                                                as_observation(result.observation))
                 except (RequestError, ValueError) as e:
                     return self._fail(traj, s, "engine_error", str(e))
-                if len(traj.tokens) + len(obs) + cfg.max_new_tokens > cfg.max_context:
+                if len(traj.tokens) + len(obs) + max_new > cfg.max_context:
                     traj.end_reason = "context_limit"  # the observation and a next turn do not fit
                     break
                 traj.extend(obs, generated=False, images=obs_images)
@@ -361,7 +374,7 @@ class RolloutRunner:
     def _footprint(self, s: _TaskState, context_len: int) -> int:
         cfg = self.config
         margin = 1.0 if cfg.footprint_horizon == "turn" else max(
-            1.0, ctb.expected_remaining_turns(s.turns_done, self._finished_turns, cfg.max_turns))
+            1.0, ctb.expected_remaining_turns(s.turns_done, self._finished_turns, turn_limits(s.task, cfg)[0]))
         return ctb.estimate_footprint(context_len, s.turns_done, s.tokens_added,
                                       initial_growth=cfg.initial_growth, margin_turns=margin)
 
@@ -390,7 +403,7 @@ class RolloutRunner:
         s.restart = False  # (after a rewind: the seeded stream goes on where it was)
         cfg = self.config
         left = self._group_sizes[s.group] - self._group_done.get(s.group, 0)
-        remaining = ctb.expected_remaining_turns(s.turns_done, self._finished_turns, cfg.max_turns)
+        remaining = ctb.expected_remaining_turns(s.turns_done, self._finished_turns, turn_limits(s.task, cfg)[0])
         _, out = await self.service.turn(s.session, tokens=context, submit=submit, resume=resume,
                                          cls=workload_class(s.task, cfg), turn=turn,
                                          group_remaining_turns=max(0.0, remaining) * left)

@@ -31,6 +31,7 @@ from tiderl_jax.agents.env import Task
 from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.engine.engine import Engine
+from tiderl_jax.serving.service import RolloutService
 from tiderl_jax.model.tokenizer import Tokenizer
 
 
@@ -38,9 +39,10 @@ def _make_env(task: Task):
     return tasks.make_env(task, seed=zlib.crc32(task.task_id.encode()))
 
 
-def sample_groups(engine: Engine, tokenizer: Tokenizer, group_tasks: Sequence[Task], group_size: int,
+def sample_groups(engine: "Engine | RolloutService", tokenizer: Tokenizer, group_tasks: Sequence[Task], group_size: int,
                   config: RolloutConfig, progress=None, make_env=None) -> list[Trajectory]:
-    """`group_size` rollouts of every task (group id = the task's position); trajectories in order.
+    """`group_size` rollouts of every task (group id = the task's position) on `engine` (one engine, or a rollout
+    service of several replicas); trajectories in order.
     `progress(n)` (optional) hears how many have finished. `make_env`: the tasks' environments
     (a dataset's, `data/env.py`); the built-in kinds' by default."""
     make_env = make_env or _make_env
