@@ -16,6 +16,7 @@ from tiderl_jax.agents.rollout import RolloutConfig, turn_limits, workload_class
 from tiderl_jax.data import mixture
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.policies import misa_t
+from tiderl_jax.runtime.controller_config import ControllerConfig
 
 PAPER = "agentic=48.6,rlvr=33.1,rlhf=18.2"
 
@@ -111,6 +112,11 @@ def test_the_main_job_s_mixture_section_builds_the_stream():
     assert rlvr.data["max_turns"] == 1 and rlvr.data["max_new_tokens"] == 96
     assert "max_new_tokens" not in next(t for t in tasks if t.data["workload_class"] == "rlhf").data
     assert tasks[0].task_id == T.make_task(c.tasks[0], 0, "train", c.controller.data_seed).task_id
+    controller = config_lib.rl_configs(c)[0]  # the router's MISA-T target is the mixture's
+    assert controller.mixture_target == PAPER and controller.router_config().misa_t.target == pytest.approx(mixed.target)
+    assert config_lib.rl_configs(_config())[0].router_config().misa_t.target == misa_t.MISATConfig().target
+    with pytest.raises(ConfigError, match="controller.mixture_target: mixture: unknown workload class 'x'"):
+        ControllerConfig(mixture_target="x=1")
 
 
 @pytest.mark.parametrize("overrides, needle", [

@@ -103,7 +103,7 @@ def main_job_sections(c: ConfigDict, *, logdir: str) -> ConfigDict:
     c.export_every_checkpoint = False
     c.data = ConfigDict(DATA_DEFAULTS)
     c.mixture = ConfigDict(MIXTURE_DEFAULTS)
-    c.controller = section(ControllerConfig, exclude=("task_kinds",))
+    c.controller = section(ControllerConfig, exclude=("task_kinds", "mixture_target"))  # from tasks, mixture
     c.engine = section(EngineConfig)
     c.rollout = section(RolloutConfig, exclude=("mode", "kv_budget_tokens"))
     c.trainer = section(TrainerConfig, exclude=("loss", "total_steps", "temperature"))
@@ -285,7 +285,8 @@ def rl_configs(c: ConfigDict):
     # config.seed is the run's seed: the train-task stream and the sampling seeds are offset by it
     ctl = c.controller.to_dict()
     controller = typed("controller", ControllerConfig, lambda: ControllerConfig(
-        **{**ctl, "task_kinds": _kinds(c), "data_seed": ctl.get("data_seed", 0) + c.get("seed", 0)}),
+        **{**ctl, "task_kinds": _kinds(c), "data_seed": ctl.get("data_seed", 0) + c.get("seed", 0),
+           "mixture_target": c.get("mixture", {}).get("target", "")}),
         {"task_kinds": "tasks"})
     loss = typed("loss", LossConfig, lambda: from_config_dict(c.loss))
     values = c.trainer.to_dict()  # a run shorter than the warmup warms up over all but its last step

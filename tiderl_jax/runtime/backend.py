@@ -34,6 +34,7 @@ from tiderl_jax.engine.engine import Engine, EngineConfig
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, make_mesh, place_copy
 from tiderl_jax.model.tokenizer import Tokenizer
+from tiderl_jax.policies import routing
 from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
 from tiderl_jax.runtime.devices import WeightSync, model_on
 from tiderl_jax.runtime.hot_switch import HotSwitches
@@ -50,10 +51,11 @@ class JaxBackend(HotSwitches):
                  engine_config: EngineConfig, rollout_config: RolloutConfig, trainer_config: TrainerConfig,
                  rules: Rules = DEFAULT_RULES, devices: Sequence | None = None, tensor: int = 1,
                  engine_workers: dict | bool = False, replicas: str = "mesh", router: str = "least_loaded",
-                 replica_devices: int = 1):
+                 replica_devices: int = 1, router_config: routing.RouterConfig = routing.RouterConfig()):
         """`replicas`: "mesh", one engine over the whole rollout mesh; "group", one engine replica per rollout
         device group (the pool's groups; without a pool, chunks of `replica_devices` devices), each a replica
-        of the rollout service that ERS moves whole. `router`: the service's policy (`policies.routing`)."""
+        of the rollout service that ERS moves whole. `router`: the service's policy (`policies.routing`), with its
+        settings `router_config` (MISA-T's target mixture, ...)."""
         if replicas not in REPLICAS:
             raise ValueError(f"replicas={replicas!r} is not one of {REPLICAS}")
         if engine_workers and replicas != "mesh":
@@ -89,7 +91,7 @@ class JaxBackend(HotSwitches):
         else:
             engines = [Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)]
         self.engine_workers = bool(engine_workers)
-        self.service = RolloutService(engines, ServiceConfig(policy=router))
+        self.service = RolloutService(engines, ServiceConfig(policy=router, router=router_config))
         if replicas == "group":
             self._group_of = {rep.id: g for rep, g in zip(self.service.replicas, groups)}
         self.runner = RolloutRunner(self.service, tokenizer, dataclasses.replace(

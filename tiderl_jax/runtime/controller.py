@@ -132,7 +132,8 @@ class Controller(Borrowing):
                                  rollout_config=rollout_config, trainer_config=trainer_config,
                                  rules=rules or DEFAULT_RULES,
                                  devices=devices, tensor=config.tensor, replicas=config.rollout_replicas,
-                                 router=config.router, replica_devices=config.device_group_size,
+                                 router=config.router, router_config=config.router_config(),
+                                 replica_devices=config.device_group_size,
                                  engine_workers=config.engine_workers and dict(
                                      warmup=config.engine_worker_warmup,
                                      health_threshold=config.engine_worker_health_checks))

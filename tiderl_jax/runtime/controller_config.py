@@ -32,6 +32,9 @@ class ControllerConfig:
     # per rollout device group (sync: per `device_group_size` devices) behind the router, the unit ERS moves
     rollout_replicas: str = "mesh"
     router: str = "least_loaded"  # the service's routing policy: policies.routing.POLICIES
+    # the workload mixture the trainer asks for ("agentic=48.6,rlvr=33.1,rlhf=18.2"; the main job's mixture.target):
+    # MISA-T's target; "": its default (the paper's)
+    mixture_target: str = ""
     ers_patience: int = 2
     ers_cooldown: int = 3
     # speed one more device group adds to a role, as a fraction of linear, assumed until a move
@@ -77,6 +80,7 @@ class ControllerConfig:
                               f"over the rollout devices) or 'group' (one replica per device group)")
         if self.router not in routing.POLICIES:
             raise ConfigError(f"controller.router={self.router!r} is not one of {sorted(routing.POLICIES)}")
+        self.router_config()  # a mixture target that cannot be parsed is named here
         if self.engine_workers and self.rollout_replicas != "mesh":
             raise ConfigError("controller.engine_workers run one engine replica: set controller.rollout_replicas="
                               "'mesh' with them")
@@ -104,3 +108,15 @@ class ControllerConfig:
     @property
     def batch_samples(self) -> int:
         return self.groups_per_step * self.group_size
+
+    def router_config(self) -> routing.RouterConfig:
+        """The rollout service's router settings: MISA-T's target mixture from `mixture_target`."""
+        if not self.mixture_target:
+            return routing.RouterConfig()
+        from tiderl_jax.data.mixture import parse_mixture
+        from tiderl_jax.policies.misa_t import MISATConfig
+        try:
+            target = parse_mixture(self.mixture_target)
+        except ValueError as e:
+            raise ConfigError(f"controller.mixture_target: {e}") from None
+        return routing.RouterConfig(misa_t=MISATConfig(target=target))
