@@ -58,17 +58,26 @@ def test_the_global_cap_class_quota_and_kv_room_are_respected():
     reqs = [new(i, "rlvr") for i in range(8)] + [new(10 + i, "agentic") for i in range(8)]
     adm = admit(MISATState(), reqs, capacity_tokens=600, now_s=0.0, config=CFG)
     per = {b: sum(1 for a in adm.state.active if a.cls == b) for b in M.CLASSES}
-    # R: agentic 8 * 100 * 3, rlvr 8 * 100 * 2 -> K = floor(6 * 0.6) = 3, floor(6 * 0.4) = 2: the quotas bind
+    # R: agentic 8 * 100 * 3, rlvr 8 * 100 * 2 -> K = floor(6 * 0.6) = 3, floor(6 * 0.4) = 2: the quotas bind;
+    # rlhf has no session waiting, so its one slot is lent (to rlvr, the further under its target)
     assert adm.cap == 6 and adm.quotas == {"agentic": 3, "rlvr": 2, "rlhf": 1}
-    assert per == {"agentic": 3, "rlvr": 2, "rlhf": 0} and len(adm.held) == 11
+    assert per == {"agentic": 3, "rlvr": 3, "rlhf": 0} and len(adm.held) == 10
+    assert [a.reason for a in adm.admitted].count("borrowed") == 1 and adm.admitted[-1].reason == "borrowed"
     assert adm.admitted[0].request_id == 10  # agentic first: the furthest under its 48.6% target
+    # every class waiting: nothing to lend, each class stops at its quota
+    reqs3 = reqs + [new(20 + i, "rlhf") for i in range(8)]
+    adm = admit(MISATState(), reqs3, capacity_tokens=600, now_s=0.0, config=CFG)
+    per = {b: sum(1 for a in adm.state.active if a.cls == b) for b in M.CLASSES}
+    assert per == adm.quotas and "borrowed" not in {a.reason for a in adm.admitted}
     adm = admit(MISATState(cap_scale=0.5), reqs, capacity_tokens=600, now_s=0.0, config=CFG)
     assert adm.cap == 3 and len(adm.admitted) == 3  # the global cap binds
-    # the class quota alone binds: agentic's residency dwarfs rlvr's, so rlvr's quota is max(1, 0) = 1, taken
-    state = MISATState(active=active("agentic", "agentic", "rlvr"))
-    adm = admit(state, [new(1, "rlvr")], capacity_tokens=10_000, now_s=0.0,
-                config=MISATConfig(prior_kv_tokens=K, prior_residency_s={**RES, "agentic": 1000.0}))
-    assert adm.cap == 100 and adm.quotas["rlvr"] == 1 and adm.held == (1,)
+    # agentic's residency dwarfs rlvr's, so rlvr's quota is max(1, 0) = 1, taken; agentic has no session waiting,
+    # so its idle quota is lent and the rlvr session runs (borrowed) instead of waiting beside idle KV
+    slow = MISATConfig(prior_kv_tokens=K, prior_residency_s={**RES, "agentic": 1000.0})
+    adm = admit(MISATState(active=active("agentic", "agentic", "rlvr")), [new(1, "rlvr")], capacity_tokens=10_000,
+                now_s=0.0, config=slow)
+    assert adm.cap == 100 and adm.quotas["rlvr"] == 1
+    assert [(a.request_id, a.reason) for a in adm.admitted] == [(1, "borrowed")] and adm.held == ()
     # KV room: protected KV of the admitted sessions + k_b must fit C
     big = MISATConfig(prior_kv_tokens={**K, "rlvr": 450.0}, prior_residency_s=RES)
     adm = admit(MISATState(active=active("agentic", "agentic"), session_tokens=100.0), [new(1, "rlvr"), new(2, "rlhf")],

@@ -44,6 +44,11 @@ Rules (origin in brackets):
   sessions that may be admitted, the class most under its target share goes first, where a class's
   share counts its completed plus admitted sessions (what the trainer will consume); oldest first
   within a class. The default target is the paper's agentic / RLVR / RLHF = 48.6 / 33.1 / 18.2.
+- **borrowing** [ours: the paper's quotas with idle reservations lent]: after the quota pass, the unused quota
+  slots of classes with no session waiting (`K_b - admitted_b`) are lent to the waiting sessions of the other
+  classes (the mixture order again, the global cap and KV room still apply), so a class without demand does not
+  keep KV idle while others wait (light load). A class whose sessions arrive later finds its quota taken until
+  borrowed sessions end; the starvation bound below still holds.
 - **starvation bound** [ours]: a session held for `max_hold_epochs` epochs is *overdue*. Overdue sessions
   go before every other new session, oldest first, bypassing the class quota and the mixture preference
   (the global cap and KV room still apply), and while the oldest overdue session cannot be admitted no
@@ -171,7 +176,7 @@ class SessionEnd:
 @dataclasses.dataclass(frozen=True)
 class Admitted:
     request_id: int
-    reason: str  # "continuation", "admitted" (under cap and quota) or "overdue" (starvation bound)
+    reason: str  # "continuation", "admitted" (under cap and quota), "borrowed" (an idle class's quota) or "overdue"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +362,24 @@ def admit(state: MISATState, requests: Sequence[SessionRequest], *, capacity_tok
         r = next(q for q in waiting if q.cls == cls)
         take(r, "admitted")
         waiting.remove(r)
+    # borrowing: the quota slots of classes with no session waiting are lent to the others (mixture order), so
+    # KV reserved for a class without demand is not left idle
+    lendable = sum(max(0, quotas[b] - per_class[b]) for b in config.classes if not any(q.cls == b for q in waiting))
+    skipped = set()
+    while not blocked and waiting and lendable > 0 and len(active) < cap:
+        total = sum(completed.values()) + sum(per_class.values())
+        classes = [b for b in config.classes if b not in skipped and any(q.cls == b for q in waiting)]
+        if not classes:
+            break
+        cls = max(classes, key=lambda b: (config.target_share(b) - ((completed[b] + per_class[b]) / total
+                                                                     if total > 0 else 0.0), -config.classes.index(b)))
+        if not room(cls):
+            skipped.add(cls)
+            continue
+        r = next(q for q in waiting if q.cls == cls)
+        take(r, "borrowed")
+        waiting.remove(r)
+        lendable -= 1
 
     held_sessions = set(ledger)
     return Admission(
