@@ -582,7 +582,9 @@ def test_jax_backend_move_costs_are_the_rebuilt_parts_program_loads():
     from tiderl_jax.runtime.backend import JaxBackend
     from tiderl_jax.runtime.pool import DevicePool
     b = JaxBackend.__new__(JaxBackend)
-    b.engine, b.trainer, b.ref_scorer = (SimpleNamespace(compile_s=x) for x in (30.0, 4.0, 2.0))
+    b.trainer, b.ref_scorer = (SimpleNamespace(compile_s=x) for x in (4.0, 2.0))
+    # a move rebuilds one rollout replica: the costliest replica's program loads bound it
+    b.service = SimpleNamespace(engines=[SimpleNamespace(compile_s=x) for x in (30.0, 12.0)])
     b.pool = DevicePool.split(list(range(8)), group_size=2, rollout=2, ref=1, train=1)
     costs = b.move_costs()
     assert costs[("ref", "train")] == 4.0  # the last ref group goes: only the trainer rebuilds
