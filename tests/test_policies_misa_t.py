@@ -126,6 +126,14 @@ def test_the_cap_shrinks_with_a_falling_hit_rate_and_recovers():
     assert M.global_cap(6000, state, CFG) == 60  # back to the base
     # an epoch without prefill leaves the signal alone
     assert observe(state, now_s=0.0, config=CFG) == state
+    # a workload that never reaches the configured 0.9 (new prompts every session) is not throttled for it: the
+    # reference is the best rate it has shown; a fall from there is pressure
+    state, caps = MISATState(), []
+    for h in (60, 60, 60, 60, 30, 30):
+        state = observe(state, now_s=0.0, hit_tokens=h, prefill_tokens=100, config=CFG)
+        caps.append(M.global_cap(6000, state, CFG))
+    assert caps[:4] == [60] * 4 and caps[4] < 60 and caps[5] < caps[4]
+    assert state.best_hit_rate == pytest.approx(0.6)
 
 
 def test_no_starvation_beyond_the_bound():

@@ -35,11 +35,13 @@ Rules (origin in brackets):
 - **global session cap** [paper: shrinks when the prefix hit rate falls below its healthy reference; the
   base is a moving average of completed-session length; the formulas are ours]: `cap =
   max(1, floor(scale * C / L))`, `L` the moving average of completed sessions' KV tokens (prior: the
-  target-weighted mean of the `k_b` priors). The pressure `G = max(0, reference_hit_rate - h)`, h the
-  smoothed observed prefix hit rate (hit tokens / prefilled prompt tokens, `hit_smoothing`), shrinks
-  `scale` multiplicatively at every observation under pressure, `scale *= 1 - shrink * G /
-  reference_hit_rate`, down to `min_cap_scale`; a healthy observation (G = 0) adds `recover`, up to 1
-  [ours: multiplicative decrease, additive increase].
+  target-weighted mean of the `k_b` priors). The healthy reference is `ref = min(reference_hit_rate, h*)`, h*
+  the best smoothed hit rate observed so far (what this workload reaches when the KV is not thrashing: a
+  workload of mostly new single-turn prompts never reaches a fixed 0.9, and must not be throttled for it). The
+  pressure `G = max(0, ref - h)`, h the smoothed observed prefix hit rate (hit tokens / prefilled prompt tokens,
+  `hit_smoothing`), shrinks `scale` multiplicatively at every observation under pressure, `scale *= 1 - shrink *
+  G / ref`, down to `min_cap_scale`; a healthy observation (G = 0) adds `recover`, up to 1 [ours:
+  multiplicative decrease, additive increase; the reference tracking the best observed rate].
 - **mixture** [paper: the deviation `0.5 * sum_b |target_b - consumed_b|`; the steering ours]: among new
   sessions that may be admitted, the class most under its target share goes first, where a class's
   share counts its completed plus admitted sessions (what the trainer will consume); oldest first
@@ -158,6 +160,7 @@ class MISATState:
     stats: tuple[tuple[str, ClassStats], ...] = ()  # (class, stats), classes seen so far
     session_tokens: float | None = None  # L: moving average of completed sessions' KV tokens (None: prior)
     hit_rate: float | None = None  # smoothed observed prefix hit rate (None: nothing observed yet)
+    best_hit_rate: float | None = None  # the highest smoothed hit rate observed (the healthy reference's bound)
     cap_scale: float = 1.0  # the global cap's share of its base, shrunk by hit-rate pressure
 
     def class_stats(self, cls: str) -> ClassStats:
@@ -267,16 +270,18 @@ def observe(state: MISATState, ended: Sequence[SessionEnd] = (), *, now_s: float
             completed=s.completed + 1)
         if end.kv_tokens > 0:
             length = _ema(length, float(end.kv_tokens), config.smoothing)
-    hit_rate, scale = state.hit_rate, state.cap_scale
+    hit_rate, best, scale = state.hit_rate, state.best_hit_rate, state.cap_scale
     if prefill_tokens > 0:
         hit_rate = _ema(hit_rate, hit_tokens / prefill_tokens, config.hit_smoothing)
-        pressure = max(0.0, config.reference_hit_rate - hit_rate)
+        best = hit_rate if best is None else max(best, hit_rate)
+        reference = min(config.reference_hit_rate, best)
+        pressure = max(0.0, reference - hit_rate)
         if pressure > 0:
-            scale = max(config.min_cap_scale, scale * (1.0 - config.shrink * pressure / config.reference_hit_rate))
+            scale = max(config.min_cap_scale, scale * (1.0 - config.shrink * pressure / reference))
         else:
             scale = min(1.0, scale + config.recover)
     return dataclasses.replace(state, active=tuple(a for a in state.active if a.session in active),
-                               stats=tuple(sorted(stats.items())), session_tokens=length, hit_rate=hit_rate,
+                               stats=tuple(sorted(stats.items())), session_tokens=length, hit_rate=hit_rate, best_hit_rate=best,
                                cap_scale=scale)
 
 
