@@ -323,6 +323,43 @@ def test_ers_moves_whole_replicas_between_rollout_and_training(tmp_path, monkeyp
     assert service.counters["rerouted"] == 0
 
 
+def test_each_replica_s_worker_fails_over_to_its_own_standby(tmp_path):
+    """Belayer per replica: every rollout device group's replica is an engine worker with a warm standby; SIGKILL
+    one replica's primary mid-run: its standby takes over (token checkpoints), the other replica never notices,
+    and every sample is accounted for."""
+    import os
+    import signal
+
+    c = _controller(tmp_path, "async", engine_workers=True, engine_worker_warmup=False,
+                    engine_worker_health_checks=100, steps=2)
+    engines = c.backend.engines
+    assert len(engines) == 2 and len({e.client.primary.pid for e in engines}) == 2  # one worker per replica
+    killed = []
+
+    async def killer():
+        client = engines[0].client
+        while not killed:
+            await asyncio.sleep(0.05)
+            if engines[0].has_work() and client.standby is not None and client.standby.ready.is_set():
+                killed.append(client.primary.pid)
+                os.kill(client.primary.pid, signal.SIGKILL)
+
+    async def main():
+        k = asyncio.create_task(killer())
+        try:
+            return await c.run()
+        finally:
+            k.cancel()
+    summary = asyncio.run(main())
+    assert summary["steps"] == 2 and killed
+    assert len(engines[0].client.failovers) >= 1 and not engines[1].client.failovers
+    assert c.backend.service.counters["replica_failures"] == 0  # the standby promoted inside the replica
+    ledger = summary["ledger"]
+    dropped = sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
+    assert dropped == 0 and ledger["admitted"] == ledger["completed"] + c.unfinished()
+    assert all(e.version == c.version for e in engines)
+
+
 def test_bad_replica_settings_are_named():
     from tiderl_jax.model.config import ConfigError
     from tiderl_jax.runtime.controller import ControllerConfig
@@ -331,5 +368,5 @@ def test_bad_replica_settings_are_named():
         ControllerConfig(rollout_replicas="each")
     with pytest.raises(ConfigError, match="controller.router='fastest' is not one of"):
         ControllerConfig(router="fastest")
-    with pytest.raises(ConfigError, match="engine_workers run one engine replica"):
-        ControllerConfig(mode="async", engine_workers=True, rollout_replicas="group")
+    with pytest.raises(ConfigError, match="engine_workers serve request-level rollouts"):
+        ControllerConfig(mode="tiderl", engine_workers=True, rollout_replicas="group")

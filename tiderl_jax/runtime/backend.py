@@ -58,9 +58,6 @@ class JaxBackend(HotSwitches):
         settings `router_config` (MISA-T's target mixture, ...)."""
         if replicas not in REPLICAS:
             raise ValueError(f"replicas={replicas!r} is not one of {REPLICAS}")
-        if engine_workers and replicas != "mesh":
-            raise ValueError("engine workers run one engine replica: replicas='group' with engine workers is not "
-                             "supported")
         self.rules = rules
         self.tensor = tensor
         self.replica_mode = replicas
@@ -82,11 +79,13 @@ class JaxBackend(HotSwitches):
                                   mesh=ref_mesh, rules=rules) if ref_mesh is not None else None)
         self.engine_config = engine_config
         self._group_of: dict[int, object] = {}  # replica id -> its device group (pool group id or device tuple)
-        if engine_workers:  # Belayer: the engine in a worker process with a warm standby (faults/)
-            engines = [_worker_engine(model, engine_config, **(engine_workers if isinstance(engine_workers, dict)
-                                                               else {}))]
-        elif replicas == "group":
+        self._worker_options = engine_workers if isinstance(engine_workers, dict) else {}
+        if replicas == "group":
             groups = self._rollout_groups(replica_devices)
+        if engine_workers:  # Belayer: each replica's engine in a worker process with a warm standby (faults/)
+            engines = [_worker_engine(model, engine_config, **self._worker_options)
+                       for _ in (groups if replicas == "group" else [None])]
+        elif replicas == "group":
             engines = [Engine(model_on(graphdef, params, self._group_mesh(g), rules), engine_config) for g in groups]
         else:
             engines = [Engine(model_on(graphdef, params, roll_mesh, rules), engine_config)]
@@ -139,7 +138,8 @@ class JaxBackend(HotSwitches):
     async def stop(self) -> None:
         await self.runner.stop()
         if self.engine_workers:
-            self.engine.client.close()
+            for engine in self.engines:
+                engine.client.close()
 
     async def generate(self, task, group, sample, expected_group_size) -> Trajectory:
         return await self.runner.submit(task, group, expected_group_size=expected_group_size, sample=sample)
@@ -173,8 +173,9 @@ class JaxBackend(HotSwitches):
     async def publish(self, version: int) -> bool:
         """The trainer's weights to the engine as `version`; False (the reason in `last_sync_error`)
         when the sync failed and rolled back."""
-        if self.engine_workers:  # a host copy to the parameter service, the worker and its standby
-            await asyncio.to_thread(self.engine.update_params, self.trainer.params, version)
+        if self.engine_workers:  # a host copy to each replica's parameter service, its worker and its standby
+            await asyncio.gather(*(asyncio.to_thread(e.update_params, self.trainer.params, version)
+                                   for e in self.engines))
             return True
 
         def swap(rep):  # between two of this replica's engine steps
@@ -212,18 +213,28 @@ class JaxBackend(HotSwitches):
             if from_role == "rollout":
                 gid = max(old.roles["rollout"])
                 rid = next(r for r, g in self._group_of.items() if g == gid)
+                engine = self.service.replica(rid).engine
                 await self.service.remove_replica(rid)
                 del self._group_of[rid]
+                if self.engine_workers:  # the worker and its standby end with the replica
+                    await asyncio.to_thread(engine.client.close)
             else:
                 gid = next(g for g in self.pool.roles["rollout"] if g not in old.roles["rollout"])
                 version = self.engine.version
-                engine = await asyncio.to_thread(lambda: Engine(model_on(
-                    self.trainer.graphdef, self.trainer.params, self.pool.group_mesh(gid), self.rules),
+                engine = await asyncio.to_thread(lambda: self._new_worker(version) if self.engine_workers else Engine(
+                    model_on(self.trainer.graphdef, self.trainer.params, self.pool.group_mesh(gid), self.rules),
                     self.engine_config, version=version))
                 self._group_of[self.service.add_replica(engine)] = gid
         elif "rollout" in changed:
             engine_model = model_on(self.trainer.graphdef, self.trainer.params, self.pool.mesh("rollout"), self.rules)
             await self.runner.command(lambda: self.engine.move_to(engine_model))
+
+    def _new_worker(self, version: int):
+        """A worker replica (Belayer) with the trainer's current weights as `version` (its standby warms up too)."""
+        model = nnx.merge(self.trainer.graphdef, self.trainer.params)
+        engine = _worker_engine(model, self.engine_config, **self._worker_options)
+        engine.update_params(self.trainer.params, version)
+        return engine
 
     def compile_s(self) -> float:
         return sum(e.compile_s for e in self.engines) + self._lent_compile_s() + self.trainer.compile_s

@@ -81,9 +81,6 @@ class ControllerConfig:
         if self.router not in routing.POLICIES:
             raise ConfigError(f"controller.router={self.router!r} is not one of {sorted(routing.POLICIES)}")
         self.router_config()  # a mixture target that cannot be parsed is named here
-        if self.engine_workers and self.rollout_replicas != "mesh":
-            raise ConfigError("controller.engine_workers run one engine replica: set controller.rollout_replicas="
-                              "'mesh' with them")
         if self.engine_workers and self.kv_mode == "ctb":
             raise ConfigError("controller.engine_workers serve request-level rollouts (modes sync, async); "
                               "tiderl's CTB keeps KV across tool calls in its own engine")

@@ -72,6 +72,8 @@ class HotSwitches:
         if self.replica_mode != "group":
             return ("BiDiRL on the JAX backend lends whole rollout replicas: set controller.rollout_replicas="
                     "'group' (one engine replica per device group), not 'mesh'")
+        if self.engine_workers:
+            return "BiDiRL does not lend the devices of engine workers (their engines live in worker processes)"
         return None
 
     # ---------------------------------------------------------------- what the controller reads
