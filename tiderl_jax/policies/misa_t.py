@@ -348,43 +348,39 @@ def admit(state: MISATState, requests: Sequence[SessionRequest], *, capacity_tok
             break
         take(r, "overdue")
         waiting.remove(r)
-    skipped: set[str] = set()
-    while not blocked and waiting:
-        eligible = [b for b in config.classes
-                    if b not in skipped and per_class[b] < quotas[b] and any(q.cls == b for q in waiting)]
-        if not eligible or len(active) >= cap:
-            break
+    def most_under_target(classes: list[str]) -> str:
         total = sum(completed.values()) + sum(per_class.values())
 
         def deficit(b: str) -> float:
             share = (completed[b] + per_class[b]) / total if total > 0 else 0.0
             return config.target_share(b) - share
+        return max(classes, key=lambda b: (deficit(b), -config.classes.index(b)))
 
-        cls = max(eligible, key=lambda b: (deficit(b), -config.classes.index(b)))
-        if not room(cls):
-            skipped.add(cls)  # its sessions do not fit the KV left; a smaller class's may
-            continue
-        r = next(q for q in waiting if q.cls == cls)
-        take(r, "admitted")
-        waiting.remove(r)
+    def fill(reason: str, quota, budget: float) -> None:
+        """Admits waiting sessions in mixture order (the class most under its target first, oldest first within
+        it) while under the cap, each class under `quota(class)`, at most `budget` of them; a class whose
+        sessions do not fit the KV left is skipped (a smaller class's may)."""
+        skipped: set[str] = set()
+        taken = 0
+        while not blocked and waiting and taken < budget and len(active) < cap:
+            eligible = [b for b in config.classes
+                        if b not in skipped and per_class[b] < quota(b) and any(q.cls == b for q in waiting)]
+            if not eligible:
+                break
+            cls = most_under_target(eligible)
+            if not room(cls):
+                skipped.add(cls)
+                continue
+            r = next(q for q in waiting if q.cls == cls)
+            take(r, reason)
+            waiting.remove(r)
+            taken += 1
+
+    fill("admitted", lambda b: quotas[b], math.inf)
     # borrowing: the quota slots of classes with no session waiting are lent to the others (mixture order), so
     # KV reserved for a class without demand is not left idle
     lendable = sum(max(0, quotas[b] - per_class[b]) for b in config.classes if not any(q.cls == b for q in waiting))
-    skipped = set()
-    while not blocked and waiting and lendable > 0 and len(active) < cap:
-        total = sum(completed.values()) + sum(per_class.values())
-        classes = [b for b in config.classes if b not in skipped and any(q.cls == b for q in waiting)]
-        if not classes:
-            break
-        cls = max(classes, key=lambda b: (config.target_share(b) - ((completed[b] + per_class[b]) / total
-                                                                     if total > 0 else 0.0), -config.classes.index(b)))
-        if not room(cls):
-            skipped.add(cls)
-            continue
-        r = next(q for q in waiting if q.cls == cls)
-        take(r, "borrowed")
-        waiting.remove(r)
-        lendable -= 1
+    fill("borrowed", lambda b: math.inf, lendable)
 
     held_sessions = set(ledger)
     return Admission(
