@@ -133,6 +133,22 @@ def first_prompt(tokenizer: Tokenizer, template: ChatTemplate | None, text: str,
     return messages, chat.encode(tokenizer, messages, add_generation_prompt=True)
 
 
+def continuation_ids(tokenizer: Tokenizer, template: ChatTemplate | None, history: Sequence[chat.Message],
+                     new: Sequence[chat.Message], *, stopped: bool, tools: Sequence[dict] | None = None
+                     ) -> tuple[list[int], list[ImageSpan]]:
+    """The tokens that follow the model's sampled turn (the last message of `history`) when `new` messages
+    (tool results, a user turn) come next: the rest of its end of turn (its end-of-turn token when it did not
+    stop on one: `stopped`), the new messages and the generation prompt; and their image spans (offsets into
+    those tokens). The model's sampled tokens stay as they are (token-in / token-out): in the checkpoint's
+    template (`ChatTemplate.observation_ids`), else the built-in ChatML. The rollout loop's observations and
+    the HTTP server's session continuations (`serving/openai_api`) both come from here."""
+    if template is not None:
+        return template.observation_ids(history, new, model_stopped=stopped, tools=tools), []
+    prefix = tokenizer.encode(("" if stopped else chat.TURN_END) + "\n")
+    encoded = chat.encode(tokenizer, new, add_generation_prompt=True)
+    return prefix + encoded.ids, [im.shifted(len(prefix)) for im in encoded.images]
+
+
 @dataclasses.dataclass
 class _TaskState:
     task: Task
@@ -359,17 +375,15 @@ class RolloutRunner:
         add the observation as a tool message, with the generation prompt; and the observation's image
         spans (offsets into those tokens). `messages` gains the model's turn and the tool message."""
         tool = chat.Message("tool", obs.text, images=self._patches(obs))
+        said = chat.Message("assistant", turn_text)
         if self.template is not None:
             parsed = self.template.parse_tool_calls(turn_text)
-            said = chat.Message("assistant", parsed.content, parsed.tool_calls) if not parsed.errors else \
-                chat.Message("assistant", turn_text)
-            ids = self.template.observation_ids(messages + [said], [tool], model_stopped=stopped)
-            messages += [said, tool]
-            return ids, []
-        messages += [chat.Message("assistant", turn_text), tool]
-        prefix = self.tok.encode(("" if stopped else chat.TURN_END) + "\n")
-        encoded = chat.encode(self.tok, [tool], add_generation_prompt=True)
-        return prefix + encoded.ids, [im.shifted(len(prefix)) for im in encoded.images]
+            if not parsed.errors:
+                said = chat.Message("assistant", parsed.content, parsed.tool_calls)
+        messages += [said]
+        ids, images = continuation_ids(self.tok, self.template, messages, [tool], stopped=stopped)
+        messages += [tool]
+        return ids, images
 
     def _footprint(self, s: _TaskState, context_len: int) -> int:
         cfg = self.config

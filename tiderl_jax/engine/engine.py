@@ -138,6 +138,7 @@ class Engine:
         self.version = version
         self._weights = 0  # weight swaps so far: what prefix-cache blocks are keyed by (`_cache_version`)
         self._seqs: dict[int, _Seq] = {}
+        self._ended_early: list[int] = []  # turns `end_turn` ended, reported by the next step
         self._next_id = 0
         self._arrivals = 0
         max_pages = config.max_seq_len // config.page_size
@@ -218,6 +219,16 @@ class Engine:
         self._drop_kv(seq)
         seq.status, seq.finish_reason = Status.ABORTED, "abort"
         seq.finish_time = time.perf_counter()
+
+    def end_turn(self, handle: int) -> bool:
+        """Ends a running turn now, as a stop token would (a caller's stop string appeared): paused with its KV
+        when it keeps it, else finished; the next `step()` reports it. False when it was not running."""
+        s = self._get(handle)
+        if s.status != Status.RUNNING or not s.turn_generated:
+            return False
+        self._close_turn(s, "stop", time.perf_counter())
+        self._ended_early.append(handle)
+        return True
 
     def release(self, handle: int) -> None:
         """Ends a paused sequence; its full blocks stay in the prefix cache."""
@@ -340,7 +351,7 @@ class Engine:
             images=tuple(s.images))
 
     def has_work(self) -> bool:
-        return any(s.status in (Status.WAITING, Status.PREFILLING, Status.RUNNING)
+        return bool(self._ended_early) or any(s.status in (Status.WAITING, Status.PREFILLING, Status.RUNNING)
                    for s in self._seqs.values())
 
     def stats(self) -> dict:
@@ -396,7 +407,7 @@ class Engine:
     def step(self) -> list[int]:
         """One scheduling round; returns the handles whose turn ended (finished or paused)."""
         self._counters["steps"] += 1
-        ended: list[int] = []
+        ended, self._ended_early = self._ended_early, []
         self._admit()
         chunks = self._plan_prefill()
         prefilling_left = any(s.status == Status.PREFILLING and s.num_computed + n < len(s.tokens)
@@ -736,6 +747,11 @@ class Engine:
             reason = "length"
         if reason is None:
             return False
+        self._close_turn(s, reason, now)
+        return True
+
+    def _close_turn(self, s: _Seq, reason: str, now: float) -> None:
+        """The turn ended: paused with its KV (keep_kv) or finished; its full blocks cached either way."""
         s.finish_reason = reason
         s.finish_time = now
         self._register_blocks(s)
@@ -744,7 +760,6 @@ class Engine:
         else:
             self._drop_kv(s)
             s.status = Status.FINISHED
-        return True
 
     def _run_decode(self, steps: int) -> list[int]:
         running = sorted((s for s in self._seqs.values() if s.status == Status.RUNNING),
