@@ -93,6 +93,12 @@ class RolloutConfig:
     footprint_horizon: str = "task"
     readiness_aware: bool = False
     weights: ctb.CTBWeights = ctb.CTBWeights()
+    # External agents make the train samples instead of this loop (serving/openai_api/external.py, docs/serving.md):
+    # an async function `module:function` (task, base_url, api_key), or a command run with OPENAI_BASE_URL /
+    # OPENAI_API_KEY set; both "": this loop. An episode past agent_timeout_s fails its sample.
+    agent: str = ""
+    agent_command: str = ""
+    agent_timeout_s: float = 600.0
 
     def __post_init__(self):
         if self.mode not in ("ctb", "request"):

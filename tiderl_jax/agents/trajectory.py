@@ -26,7 +26,8 @@ import numpy as np
 
 from tiderl_jax.model.vision import ImageSpan
 
-END_REASONS = ("answered", "max_turns", "context_limit", "env_error", "env_timeout", "engine_error")
+END_REASONS = ("answered", "max_turns", "context_limit", "env_error", "env_timeout", "engine_error", "agent_error",
+               "agent_timeout")
 
 
 @dataclasses.dataclass

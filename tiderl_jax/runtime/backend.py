@@ -95,6 +95,11 @@ class JaxBackend(HotSwitches):
             self._group_of = {rep.id: g for rep, g in zip(self.service.replicas, groups)}
         self.runner = RolloutRunner(self.service, tokenizer, dataclasses.replace(
             rollout_config, mode=kv_mode))  # "ctb" | "request" (ControllerConfig.kv_mode)
+        self.agents = None  # external agents make the train samples (rollout.agent / agent_command)
+        if rollout_config.agent or rollout_config.agent_command:
+            from tiderl_jax.serving.openai_api.external import ExternalAgents
+            self.agents = ExternalAgents(rollout_config.agent, rollout_config.agent_command,
+                                         rollout_config.agent_timeout_s, max_context=rollout_config.max_context)
         self.sync = WeightSync()
         self.last_sync_error: str | None = None  # the last failed publish's error and stage (None after a success)
         self._init_switches()
@@ -134,14 +139,20 @@ class JaxBackend(HotSwitches):
     async def start(self, make_env, latency_for, step_span) -> None:
         self.runner.step_span = step_span
         await self.runner.start(make_env, latency_for)
+        if self.agents is not None:  # the service over HTTP, on this loop
+            await self.agents.start(self.service, self.runner.tok, make_env, self.runner.config.mode)
 
     async def stop(self) -> None:
+        if self.agents is not None:
+            await self.agents.stop()
         await self.runner.stop()
         if self.engine_workers:
             for engine in self.engines:
                 engine.client.close()
 
     async def generate(self, task, group, sample, expected_group_size) -> Trajectory:
+        if self.agents is not None:
+            return await self.agents.run(task, group, sample)
         return await self.runner.submit(task, group, expected_group_size=expected_group_size, sample=sample)
 
     async def run_tasks(self, tasks, *, temperature: float, seed: int) -> list[Trajectory]:

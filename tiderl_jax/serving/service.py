@@ -98,6 +98,12 @@ class Driver:
         e.__cause__ = self.error
         return e
 
+    def abandon(self, handle: int, error: Exception) -> None:
+        """The turn of `handle` will never end (aborted): whoever waits for it gets `error` instead."""
+        fut = self._waiters.pop(handle, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(error)
+
     def _fail_all(self, error: BaseException):
         """The engine's step raised: every waiting turn and queued command fails with it."""
         self.error = error
@@ -422,7 +428,7 @@ class RolloutService:
         """Ends an engine sequence between steps: released when paused, aborted while it runs, then forgotten."""
         if rep.driver is None or rep.driver.error is not None:
             return
-        engine = rep.engine
+        engine, driver = rep.engine, rep.driver
 
         def end():
             try:
@@ -432,7 +438,9 @@ class RolloutService:
             if out.status.value == "paused":
                 engine.release(handle)
             elif out.status.value in ("waiting", "prefilling", "running"):
-                engine.abort(handle)
+                engine.abort(handle)  # its turn ends now: the service's waiter is told, not left hanging
+                driver.abandon(handle, RequestError(f"engine sequence {handle}: its session was released while "
+                                                    "its turn ran"))
             engine.forget(handle)
         # nobody awaits it: after an engine failure its EngineFailed is read here, not logged as unread
         rep.driver.command(end).add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -173,7 +173,7 @@ async def _stream(f: Frontend, r: _Renderer, plans: list[Plan], admission, tools
             if tools or plans[k].top_logprobs:
                 continue  # whole at the end: tool calls parsed, top log-probs scored
             toks, text = sent.setdefault(index, [0, ""])
-            visible = f._visible(out.new_tokens)
+            visible = f.visible(out.new_tokens)
             cut = find_stop(visible, plans[k].stops)
             safe = cut if cut is not None else holdback(visible, plans[k].stops)
             piece = visible[len(text):safe] if safe > len(text) else ""

@@ -122,7 +122,8 @@ class Frontend:
 
     def __init__(self, service: RolloutService, tokenizer: Tokenizer, *, model_name: str,
                  limits: ServerLimits = ServerLimits(), kv_mode: str = "ctb", api_key: str | None = None,
-                 metrics=None, chatml_tools: bool = False, clock: Callable[[], float] = time.monotonic):
+                 metrics=None, chatml_tools: bool = False, max_context: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if kv_mode not in ("ctb", "request"):
             raise ValueError(f"kv_mode {kv_mode!r} is not 'ctb' or 'request'")
         self.service, self.tok, self.model_name = service, tokenizer, model_name
@@ -130,6 +131,7 @@ class Frontend:
         self.limits, self.kv_mode, self.api_key, self.clock = limits, kv_mode, api_key, clock
         self.metrics = metrics
         self.chatml_tools = chatml_tools  # the built-in ChatML lists the tools in the system message
+        self._context = max_context  # a lower context limit than the engines' (a trainer's row length)
         self.sessions: dict[str, Session] = {}
         self._keys: dict[str, str] = {}  # per-session key -> its session
         self._anon = itertools.count()
@@ -197,7 +199,8 @@ class Frontend:
 
     @property
     def max_context(self) -> int:
-        return min(r.engine.config.max_seq_len for r in self.service.replicas)
+        engines = min(r.engine.config.max_seq_len for r in self.service.replicas)
+        return min(engines, self._context) if self._context else engines
 
     # ------------------------------------------------------------------ sessions
 
@@ -239,7 +242,7 @@ class Frontend:
     # ------------------------------------------------------------------ planning
 
     def _sampling(self, req: P._Sampling, stop_strings: Sequence[str]) -> tuple[SamplingParams, tuple[str, ...]]:
-        stop_ids, strings = list(self.tok.stop_ids), []
+        stop_ids, strings = ([] if req.ignore_eos else list(self.tok.stop_ids)), []
         for text in stop_strings:
             ids = self.tok.encode(text)
             if len(ids) == 1 and ids[0] not in stop_ids and len(stop_ids) < self.service.replicas[0].engine.config.max_stop_ids:
@@ -368,6 +371,9 @@ class Frontend:
         try:
             out = await self._follow(turn, where, plan, index, on_progress)
         except (RequestError, ValueError) as e:
+            if s is not None and self.sessions.get(s.id) is not s:  # ended (TTL, its agent's episode) meanwhile
+                raise P.APIError(409, f"session {s.id!r} ended while this request ran", param="session_id",
+                                 code="session_ended") from None
             raise P.APIError(400, str(e)) from None
         except EngineFailed as e:
             raise P.APIError(503, str(e), type="service_unavailable", code="engine_failed") from None
@@ -405,14 +411,19 @@ class Frontend:
             seen = len(out.tokens)
             if on_progress is not None:
                 on_progress(index, out)
-            if plan.stops and find_stop(self._visible(out.new_tokens), plan.stops) is not None:
+            if plan.stops and find_stop(self.visible(out.new_tokens), plan.stops) is not None:
                 self.service.command(lambda: eng.end_turn(h), replica=rid)
         out = (await turn)[1]
         if on_progress is not None:
             on_progress(index, out)
         return out
 
-    def _visible(self, tokens: Sequence[int]) -> str:
+    def parse_reply(self, text: str) -> chat.ParsedTurn:
+        """The model's reply as content and tool calls, in its family's format."""
+        return self.template.parse_tool_calls(text) if self.template is not None else chat.parse_tool_calls(text)
+
+    def visible(self, tokens: Sequence[int]) -> str:
+        """The text of generated tokens, without the stop token that ended them."""
         if tokens and tokens[-1] in self.tok.stop_ids:
             tokens = tokens[:-1]
         return self.tok.decode([t for t in tokens if t < self.tok.vocab_size])
@@ -420,7 +431,7 @@ class Frontend:
     def _to_choice(self, plan: Plan, index: int, out: SequenceOutput, seconds: float) -> Choice:
         new = out.new_tokens
         n = len(new)
-        text = self._visible(new)
+        text = self.visible(new)
         reason = "stop" if out.finish_reason == "stop" else "length"
         cut = find_stop(text, plan.stops)
         if cut is not None:
@@ -430,8 +441,7 @@ class Frontend:
         if plan.messages is not None:
             said = chat.Message("assistant", text)
             if plan.parse_tools:
-                parsed = (self.template.parse_tool_calls(text) if self.template is not None
-                          else chat.parse_tool_calls(text))
+                parsed = self.parse_reply(text)
                 if not parsed.errors and parsed.tool_calls:
                     said = chat.Message("assistant", parsed.content, parsed.tool_calls)
                     choice.finish_reason = "tool_calls"

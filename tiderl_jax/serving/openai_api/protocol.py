@@ -103,7 +103,8 @@ class _Sampling(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    # RL extensions
+    # extensions: vLLM's ignore_eos (generate max_tokens; benchmarks), and RL's
+    ignore_eos: bool = False
     return_token_ids: bool = False
     session_id: str | None = None
 
