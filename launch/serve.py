@@ -103,14 +103,13 @@ def _build():
         if FLAGS.replicas > len(devices):
             raise ConfigError(f"--replicas={FLAGS.replicas}: only {len(devices)} devices")
         tokenizer = config_lib.build_tokenizer(cfg)
-        mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices[:1])
-        if config_lib.is_gguf(cfg.checkpoint):
+        if config_lib.is_gguf(cfg.checkpoint):  # on the default device, as launch/generate.py loads it
             from tiderl_jax.model.gguf_io import load_gguf_model, open_gguf, read_gguf_config
             reader = open_gguf(cfg.checkpoint)
-            model = load_gguf_model(reader, read_gguf_config(reader), mesh=mesh)
+            model = load_gguf_model(reader, read_gguf_config(reader))
         else:
             from tiderl_jax.model.hf_io import load_hf_checkpoint
-            model = load_hf_checkpoint(cfg.checkpoint, mesh=mesh)
+            model = load_hf_checkpoint(cfg.checkpoint)
         graphdef, params = nnx.split(model)
         engines = [Engine(model, engine_cfg)] + [
             Engine(model_on(graphdef, params, make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, [d]),

@@ -270,6 +270,17 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
     assert_serving(client)
 
 
+def test_an_unexpected_error_is_a_500_with_one_line_and_the_server_goes_on(server, client, monkeypatch):
+    def broken(req):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(server.frontend, "tokenize", broken)
+    status, body = raw(server, "/tokenize", {"prompt": "x"})
+    assert status == 500 and body["error"]["message"] == "internal error: RuntimeError: injected"
+    monkeypatch.undo()
+    assert raw(server, "/tokenize", {"prompt": "x"})[0] == 200
+    assert_serving(client)
+
+
 def test_a_per_session_key_binds_its_requests_to_its_session(server, client):
     key = server.call(lambda: server.frontend.issue_key("agent-7"))
     agent = openai.OpenAI(base_url=server.http.base_url, api_key=key, max_retries=0, timeout=60)

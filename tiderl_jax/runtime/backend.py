@@ -8,6 +8,8 @@ took. Two implement the same interface, so the simulator runs the controller's o
   or with `replicas="group"` one engine replica per rollout device group behind the router), the trainer
   on the train mesh, the reference scorer on the ref mesh, weight sync between them; wall-clock time.
   With `replicas="group"` it also hot-switches devices for BiDiRL (`lend` / `take_back`, `hot_switch.py`).
+  With `rollout.agent` / `agent_command` the train samples come from external agents over the OpenAI API
+  (`serving/openai_api/external.py`: the service served on loopback, each sample one agent session).
 - `sim.backend.SimBackend`: cost-modelled devices on a virtual clock.
 
 The interface (`Backend`): `clock()` is the controller's only time source; `pool` holds the device

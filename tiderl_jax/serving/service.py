@@ -278,6 +278,9 @@ class RolloutService:
         self._requests = itertools.count()
         self._last_route = -float("inf")
         self._hooks = (lambda rep: None, lambda rep, h: None, None)
+        # called with the replica after each of its engine steps, between steps (e.g. the HTTP server streams
+        # its running sequences' new tokens from here)
+        self.step_listeners: list[Callable[[EngineReplica], None]] = []
         self._started = False
         self.counters = collections.Counter(turns=0, resumed=0, submitted=0, moved=0, rerouted=0, held=0,
                                             replica_failures=0)
@@ -352,6 +355,8 @@ class RolloutService:
 
         def after_step(seconds: float, rep=rep):
             rep.record_step(seconds)
+            for listener in self.step_listeners:  # the engine is idle until its next step: state reads are safe
+                listener(rep)
             self._route()
         rep.driver = Driver(rep.engine, lambda: before_step(rep), lambda h: on_turn_end(rep, h), step_span, after_step)
         rep.task = asyncio.create_task(rep.driver.run())
@@ -470,6 +475,7 @@ class RolloutService:
         views = [r.view(pending, wants_cache) for r in live]
         requests = [routing.Request(p.request_id, p.session, p.cls, p.turn,
                                     prompt_tokens=len(p.tokens), kv_replica=self._where.get(p.session),
+                                    kv_pinned=p.resume is not None and p.session in self._where,
                                     waiting_s=max(0.0, now - p.ready_s),
                                     group_remaining_turns=max(0.0, p.group_remaining_turns))
                     for p in pending]

@@ -209,6 +209,24 @@ async def _stream(f: Frontend, r: _Renderer, plans: list[Plan], admission, tools
     yield "data: [DONE]\n\n"
 
 
+class _Counting:
+    """Counts responses by route and status (a plain ASGI middleware: it adds nothing to a streamed body's path)."""
+
+    def __init__(self, app, metrics: ServerMetrics, routes):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.request(path, message["status"])
+            await send(message)
+        await self.app(scope, receive, counted)
+
+
 def build_app(f: Frontend, metrics: ServerMetrics | None = None) -> FastAPI:
     metrics = metrics or ServerMetrics()
     metrics.frontend = f
@@ -218,16 +236,7 @@ def build_app(f: Frontend, metrics: ServerMetrics | None = None) -> FastAPI:
     routes = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
               "/metrics")
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        try:
-            response = await call_next(request)
-        except Exception as e:  # noqa: BLE001 - answered here, never a traceback
-            log.exception("request %s failed", request.url.path)
-            response = _error(P.APIError(500, f"internal error: {type(e).__name__}: {e}", type="internal_error"))
-        path = request.url.path
-        metrics.request(path if path in routes else "other", response.status_code)
-        return response
+    app.add_middleware(_Counting, metrics=metrics, routes=routes)
 
     @app.exception_handler(P.APIError)
     async def api_error(request: Request, e: P.APIError):

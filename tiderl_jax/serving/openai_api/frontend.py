@@ -139,6 +139,8 @@ class Frontend:
         self.inflight = 0
         self._swapping = 0
         self._scorer = None
+        self._watched: dict[tuple[int, int], Callable[[SequenceOutput], None]] = {}  # (replica, handle) -> reader
+        service.step_listeners.append(self._after_step)
 
     # ------------------------------------------------------------------ access
 
@@ -356,13 +358,14 @@ class Frontend:
         context, delta = plan.context, plan.delta
 
         def submit(eng: Engine) -> int:
-            where["eng"], where["h"] = eng, eng.submit(Request(context, sampling, keep_kv=keep))
-            return where["h"]
+            handle = eng.submit(Request(context, sampling, keep_kv=keep))
+            self._watch(where, eng, handle)
+            return handle
 
         def resume(eng: Engine, handle: int) -> int:
             eng.unpin(handle)
             eng.resume(handle, delta, sampling=sampling)
-            where["eng"], where["h"] = eng, handle
+            self._watch(where, eng, handle)
             return handle
         t0 = time.perf_counter()
         turn = asyncio.ensure_future(self.service.turn(
@@ -387,36 +390,47 @@ class Frontend:
         return self._to_choice(plan, index, out, time.perf_counter() - t0)
 
     async def _follow(self, turn: asyncio.Future, where: dict, plan: Plan, index: int, on_progress) -> SequenceOutput:
-        """Awaits the turn; while it runs, reads its output after each engine step when someone streams it or
-        a stop string may end it early (`Engine.end_turn`)."""
+        """Awaits the turn; while it runs, reads its output after each engine step (`_after_step`) when someone
+        streams it or a stop string may end it early (`Engine.end_turn`)."""
         if on_progress is None and not plan.stops:
             return (await turn)[1]
-        seen = 0
-        while not turn.done():
-            if "h" not in where:
-                await asyncio.wait([turn], timeout=0.005)
-                continue
-            eng, h = where["eng"], where["h"]
-            rid = next((r.id for r in self.service.replicas if r.engine is eng), None)
-            if rid is None:
-                await asyncio.wait([turn], timeout=0.005)
-                continue
-            poll = self.service.command(lambda: _peek(eng, h), replica=rid)
-            await asyncio.wait([turn, poll], return_when=asyncio.FIRST_COMPLETED)
-            if not poll.done() or poll.cancelled() or poll.exception() is not None or poll.result() is None:
-                continue
-            out = poll.result()
-            if len(out.tokens) == seen:
-                continue
-            seen = len(out.tokens)
+        seen = [0]
+
+        def read(out: SequenceOutput, eng: Engine, h: int) -> None:
+            if len(out.tokens) == seen[0]:
+                return
+            seen[0] = len(out.tokens)
             if on_progress is not None:
                 on_progress(index, out)
             if plan.stops and find_stop(self.visible(out.new_tokens), plan.stops) is not None:
-                self.service.command(lambda: eng.end_turn(h), replica=rid)
-        out = (await turn)[1]
+                eng.end_turn(h)  # between engine steps: reported by the next one
+        where["read"] = read
+        try:
+            out = (await turn)[1]
+        finally:
+            if "rid" in where:
+                self._watched.pop((where["rid"], where["h"]), None)
         if on_progress is not None:
             on_progress(index, out)
         return out
+
+    def _watch(self, where: dict, eng: Engine, handle: int) -> None:
+        """Called as a turn starts on `eng` (between steps): its reader, if any, sees every step from now."""
+        rid = next((r.id for r in self.service.replicas if r.engine is eng), None)
+        if "rid" in where:  # it moved (a failed replica's turn re-routed)
+            self._watched.pop((where.pop("rid"), where["h"]), None)
+        where["eng"], where["h"] = eng, handle
+        if rid is not None and "read" in where:
+            where["rid"] = rid
+            read = where["read"]
+            self._watched[(rid, handle)] = lambda out: read(out, eng, handle)
+
+    def _after_step(self, rep) -> None:
+        for (rid, h), read in list(self._watched.items()):
+            if rid == rep.id:
+                out = _peek(rep.engine, h)
+                if out is not None:
+                    read(out)
 
     def parse_reply(self, text: str) -> chat.ParsedTurn:
         """The model's reply as content and tool calls, in its family's format."""

@@ -14,7 +14,7 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _REPLICA = (("running", "sequences prefilling or decoding"), ("waiting", "sequences waiting for a slot"),
             ("kv_used_tokens", "KV tokens in use"), ("kv_pinned_tokens", "KV tokens pinned by waiting sessions"),
             ("kv_free_tokens", "KV tokens free"), ("prefix_hit_rate", "prompt tokens found in the prefix cache"),
-            ("tokens_per_s", "tokens prefilled and decoded per second"))
+            ("tokens_per_s", "tokens prefilled and decoded per second"), ("steps", "engine steps so far"))
 
 
 class ServerMetrics:
