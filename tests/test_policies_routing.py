@@ -96,6 +96,25 @@ def test_a_continuation_goes_to_the_replica_holding_its_kv(policy):
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_continuation_pinned_on_a_full_replica_is_placed_there_not_held(policy):
+    # every replica at cache_aware's limit and at WAR's window (its KV pinned by paused sessions): a turn that
+    # resumes a pinned session goes to its replica anyway (holding it would keep its KV pinned while the
+    # replica's running turns wait for pages); the same turn without the pin, and a new session, may be held
+    full = [rep(w, load=2, used=4096, pinned=4000, free=0, tps=1000.0, cached={"x": 400, "y": 400}) for w in (0, 1)]
+    config = RouterConfig(concurrency_limit=2, war_footprint_tokens=2048, war_max_batch=2, misa_t=SMALL.misa_t)
+    requests = [Request(1, "x", turn=2, prompt_tokens=420, kv_replica=1, kv_pinned=True),
+                Request(2, "y", turn=2, prompt_tokens=420, kv_replica=0, kv_pinned=False), req(3, session="z")]
+    r = route(policy, requests, full, config=config)
+    assert (1, 1, "pinned") in placed(r) or (1, 1, "sticky") in placed(r)
+    assert sorted([p.request_id for p in r.placements] + list(r.held)) == [1, 2, 3]
+    if policy in ("cache_aware", "round_robin", "least_loaded"):  # their limit holds the others
+        assert placed(r) == [(1, 1, "pinned")] and sorted(r.held) == [2, 3]
+    # a pinned session whose replica died is re-routed as before, never "pinned" to a dead replica
+    r = route(policy, [Request(1, "x", turn=2, prompt_tokens=420, kv_replica=5, kv_pinned=True)], full, config=config)
+    assert all(p.reason != "pinned" for p in r.placements)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_session_whose_replica_died_is_rerouted_never_dropped(policy):
     replicas = [rep(0, load=1), rep(2)]  # replica 1 died
     r = route(policy, [req(1, session="x", turn=4, kv=1), req(2, session="y", turn=1, kv=0)], replicas, config=SMALL)

@@ -18,6 +18,14 @@ the policy decides otherwise (that replica is at its limit; WAR's heavy-load sco
 cost or cache_aware's balance threshold prefer another). A session whose replica died (`kv_replica` not
 in the list) is re-routed as a new one (`Placement.rerouted`), its KV recomputed where it lands.
 
+**Pinned rule** (common to all, applied by `route` after the policy): a continuation whose session's KV is
+pinned on its live replica (`Request.kv_pinned`: the paused sequence this turn resumes, CTB's pin across the
+tool gap) is never held: a turn the policy holds is placed there anyway (reason "pinned"). Holding it frees
+nothing and keeps its KV pinned, and a replica whose pool is full of pinned sessions waiting on held turns
+stops: its running turns cannot get pages until those sessions end [ours; measured: `war`'s KV window on
+`benchmarks/misa_t.py`'s long regime held every pinned continuation while each replica's one running turn
+waited for pages, a livelock].
+
 Policies (origin in brackets):
 - `round_robin` [baseline]: new sessions cycle over the live replicas in id order (the cursor is the
   state), skipping those at `concurrency_limit`.
@@ -67,6 +75,7 @@ class Request:
     turn: int = 0  # 0: the session's first request (a new session); > 0: a continuation
     prompt_tokens: int = 0  # tokens of context this request prefills or finds cached (L_r)
     kv_replica: int | None = None  # replica holding the session's KV (its last turn ran there)
+    kv_pinned: bool = False  # that KV is a paused sequence pinned there which this turn resumes (CTB)
     waiting_s: float = 0.0  # since it became ready (its observation came back)
     group_remaining_turns: float = 0.0  # predicted remaining turns of its GRPO group (WAR)
 
@@ -142,7 +151,7 @@ class RouterState:
 class Placement:
     request_id: int
     replica: int
-    reason: str  # "sticky", "round-robin", "least-loaded", "prefix", "balance", war's, or "cost" (misa_t)
+    reason: str  # "sticky", "round-robin", "least-loaded", "prefix", "balance", war's, "cost" (misa_t), "pinned"
     rerouted: bool = False  # its session's KV was on a replica that died
 
 
@@ -340,4 +349,15 @@ def route(policy: str, requests: Sequence[Request], replicas: Sequence[Replica],
     for r in requests:
         if r.cls not in CLASSES and r.cls not in config.misa_t.target:
             raise ValueError(f"routing request {r.request_id}: class {r.cls!r} is not one of {CLASSES}")
-    return POLICIES[policy](requests, replicas, state, config, now_s=now_s, ended=ended)
+    decision = POLICIES[policy](requests, replicas, state, config, now_s=now_s, ended=ended)
+    return _place_pinned(decision, requests, {w.replica for w in replicas})
+
+
+def _place_pinned(decision: Routing, requests: Sequence[Request], alive: set[int]) -> Routing:
+    """The pinned rule (module docstring): held continuations whose KV is pinned on a live replica go there."""
+    by_id = {r.request_id: r for r in requests}
+    pinned = [i for i in decision.held if by_id[i].kv_pinned and by_id[i].turn > 0 and by_id[i].kv_replica in alive]
+    if not pinned:
+        return decision
+    placements = decision.placements + tuple(Placement(i, by_id[i].kv_replica, "pinned") for i in pinned)
+    return Routing(placements, tuple(i for i in decision.held if i not in set(pinned)), decision.state)

@@ -13,10 +13,11 @@ a replica has room, and every held request is offered again until placed.
 The views follow the service's conventions:
 
 - `Request`: session `(group, sample)`, the task's class, its turn, `prompt_tokens` = the context the turn starts
-  from, `kv_replica` = the live replica that ran its last turn (its KV, pinned or cached, is there; None for a
-  new task or one whose replica was removed), `waiting_s` since its observation came back (or it was first
-  offered), `group_remaining_turns` = CTB's expected remaining turns of the task after the turns it has done
-  (`ctb.expected_remaining_turns` over the finished-task window; ours: the group's estimate is its sample's).
+  from, `kv_replica` = the live replica that ran its last turn (its KV, pinned or cached, is there; None for a new
+  task or one whose replica was removed), `kv_pinned` when that KV is pinned there (CTB), `waiting_s` since its
+  observation came back (or it was first offered), `group_remaining_turns` = CTB's expected remaining turns of the
+  task after the turns it has done (`ctb.expected_remaining_turns` over the finished-task window; ours: the
+  group's estimate is its sample's).
 - `Replica`: running = turns decoding or prefilling; waiting = turns queued (CTB: also awaiting task admission)
   or placed this instant; KV used (pinned included) / pinned / free tokens, where prefix cache is free (it is
   evictable); per pending session the tokens of its context cached there (its pinned KV but the new
@@ -104,7 +105,8 @@ class SimRouter:
             by_request[request_id] = s
             kv = s.replica.rid if s.replica is not None and s.replica.alive and (s.turn or s.written) else None
             requests.append(routing.Request(request_id, (s.gid, s.sample), s.cls, s.turn, prompt_tokens=s.ctx,
-                                            kv_replica=kv, waiting_s=max(0.0, now - ready),
+                                            kv_replica=kv, kv_pinned=bool(kv is not None and s.pinned),
+                                            waiting_s=max(0.0, now - ready),
                                             group_remaining_turns=self._remaining_turns(s.turn)))
         views = [self._view(r, seqs) for r in live]
         ended, self.ended = self.ended, []
