@@ -16,7 +16,9 @@ p50 / p95 (a request's time per output token after its first: (last chunk - firs
 engine emits up to `decode_steps` tokens per step, so chunks, not single tokens, arrive). The target: at the
 highest concurrency the server's output tokens/s at most 15% below in-process (`overhead`).
 JSON rows: concurrency, requests, requests_per_s, output_tokens_per_s, ttft_p50_s, ttft_p95_s, itl_p50_s,
-itl_p95_s, in_process_tokens_per_s, overhead.
+itl_p95_s, in_process_tokens_per_s, overhead, and the engine steps each side took (`engine_steps`,
+`in_process_engine_steps`: requests arriving one by one over HTTP make more, shorter steps than the same
+requests submitted in the same instant).
 """
 
 import argparse
@@ -62,7 +64,16 @@ def start_server() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not start")
 
 
+def server_steps(base_url: str) -> float:
+    """The server's engine steps so far (its /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(base_url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=30) as r:
+        return float(re.search(r'tiderl_replica_steps\{replica="0"\} (\S+)', r.read().decode()).group(1))
+
+
 async def over_http(client, reqs, concurrency: int, limit_s: float) -> dict:
+    steps = server_steps(str(client.base_url))
     gate = asyncio.Semaphore(concurrency)
     results = []
     t0 = time.perf_counter()
@@ -87,7 +98,8 @@ async def over_http(client, reqs, concurrency: int, limit_s: float) -> dict:
     await asyncio.gather(*(one(r) for r in reqs))
     seconds = time.perf_counter() - t0
     ttft, itl = [r["ttft"] for r in results], [r["itl"] for r in results]
-    return dict(requests=len(results), requests_per_s=len(results) / seconds,
+    return dict(requests=len(results), engine_steps=server_steps(str(client.base_url)) - steps,
+                requests_per_s=len(results) / seconds,
                 output_tokens_per_s=sum(r["tokens"] for r in results) / seconds,
                 ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p95_s=float(np.percentile(ttft, 95)),
                 itl_p50_s=float(np.percentile(itl, 50)), itl_p95_s=float(np.percentile(itl, 95)))
@@ -141,7 +153,9 @@ async def sweep(args, base_url) -> list[dict]:
             c = row["concurrency"]
             reqs = requests(row["requests"], prompt_len, new, seed=c)
             await in_process(service, requests(len(reqs), prompt_len, new, seed=1000 + c), c)  # untimed
+            steps = engine.stats()["steps"]
             row["in_process_tokens_per_s"] = await in_process(service, reqs, c)
+            row["in_process_engine_steps"] = engine.stats()["steps"] - steps
             row["overhead"] = 1.0 - row["output_tokens_per_s"] / row["in_process_tokens_per_s"]
             print(f"[in-process] concurrency {c}: {row['in_process_tokens_per_s']:.0f} tokens/s", flush=True)
     finally:
@@ -162,11 +176,11 @@ def main():
         proc.terminate()
         proc.wait(30)
     print(f"\n{'conc':>5}{'req/s':>8}{'out tok/s':>11}{'ttft p50':>10}{'ttft p95':>10}{'itl p50':>9}{'itl p95':>9}"
-          f"{'in-proc tok/s':>15}{'overhead':>10}")
+          f"{'in-proc tok/s':>15}{'overhead':>10}{'steps http/in-proc':>20}")
     for r in rows:
         print(f"{r['concurrency']:>5}{r['requests_per_s']:>8.2f}{r['output_tokens_per_s']:>11.0f}{r['ttft_p50_s']:>10.3f}"
               f"{r['ttft_p95_s']:>10.3f}{r['itl_p50_s']:>9.4f}{r['itl_p95_s']:>9.4f}{r['in_process_tokens_per_s']:>15.0f}"
-              f"{r['overhead']:>10.1%}")
+              f"{r['overhead']:>10.1%}{r['engine_steps']:>12.0f} / {r['in_process_engine_steps']:<5.0f}")
     top = rows[-1]
     print(f"\nat concurrency {top['concurrency']}: the server's output tokens/s are {top['overhead']:.1%} below "
           f"in-process (target: at most 15%): {'met' if top['overhead'] <= 0.15 else 'NOT met'}")
