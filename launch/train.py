@@ -43,14 +43,21 @@ from absl import app, logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tiderl_jax import config as config_lib  # noqa: E402
+from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax.model.config import ConfigError  # noqa: E402
 
 _CONFIG = config_lib.define_config_flag("configs/tiny_agentic.py")
+distributed.define_flags()
 
 
 def _fail(message: str, status: int = 2):
     message = " | ".join(line.strip() for line in str(message).strip().splitlines() if line.strip())
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    cluster = distributed.cluster()
+    where = f"process {cluster.index}: " if cluster.multi else ""
+    print(f"error: {where}{message}", file=sys.stderr, flush=True)
+    if cluster.multi:  # not JAX's exit barrier: the other processes may be gone (they are told by the heartbeat)
+        sys.stdout.flush()
+        os._exit(status)
     sys.exit(status)
 
 
@@ -136,11 +143,15 @@ def _evaluate(controller, tokenizer, cfg, rollout, when: str, data=None) -> dict
         config = dataclasses.replace(rollout, temperature=temperature, mode="request", seed=cfg.seed + 7)
         tasks = _heldout(cfg, data, cfg.eval.tasks)
         bar = Progress(f"held-out {when} ({name})", len(tasks), unit="task", every=len(tasks) // 4 or 1)
-        trajectories = evaluate.sample_groups(_every_replica(controller), tokenizer, tasks, 1, config, progress=bar.update,
+        cluster = distributed.cluster()  # across processes each evaluates its share, and all get every result
+        mine = [tasks[i] for i in distributed.shard_indices(len(tasks), cluster.index, cluster.count)]
+        trajectories = evaluate.sample_groups(_every_replica(controller), tokenizer, mine, 1, config, progress=bar.update,
                                               make_env=data.make_env if data is not None else None)
+        trajectories = distributed.merge_shards(cluster.allgather(f"held-out {when} ({name})", trajectories))
         bar.close()
-        evaluate.save_readable(trajectories, tokenizer,
-                               os.path.join(cfg.logdir, "rollouts", f"heldout_{when}_{name}.jsonl"))
+        if cluster.primary:
+            evaluate.save_readable(trajectories, tokenizer,
+                                   os.path.join(cfg.logdir, "rollouts", f"heldout_{when}_{name}.jsonl"))
         out[name] = evaluate.results_of(trajectories)
         rewards = out[name]["rewards"]
         print(f"held-out {when} ({name}): {run_report.count_rate(rewards)} solved, mean reward "
@@ -179,9 +190,13 @@ def _evaluation_during_rl(controller, tokenizer, cfg, data=None):
         if not every or step % every:
             return None
         t0 = time.perf_counter()
-        trajectories = await controller.backend.run_tasks(during, temperature=0.0, seed=cfg.seed + 7)
-        evaluate.save_readable(trajectories, tokenizer,
-                               os.path.join(cfg.logdir, "rollouts", f"during_rl_step_{step}.jsonl"))
+        cluster = distributed.cluster()  # each process its share (`_evaluate`)
+        mine = [during[i] for i in distributed.shard_indices(len(during), cluster.index, cluster.count)]
+        trajectories = await controller.backend.run_tasks(mine, temperature=0.0, seed=cfg.seed + 7)
+        trajectories = distributed.merge_shards(cluster.allgather(f"held-out during RL at step {step}", trajectories))
+        if cluster.primary:
+            evaluate.save_readable(trajectories, tokenizer,
+                                   os.path.join(cfg.logdir, "rollouts", f"during_rl_step_{step}.jsonl"))
         stats = health.eval_stats(trajectories)
         print(f"held-out during RL (step {step}, greedy): "
               f"{run_report.count_rate([t.reward for t in trajectories])} solved, mean reward "
@@ -217,10 +232,13 @@ def _warm_start(cfg, model, tokenizer, controller, sft_cfg, rcfg):
 def _export(controller, tokenizer, path: str) -> str:
     """The policy the trainer holds, as an HF checkpoint (`hf_io.export_policy`)."""
     from tiderl_jax.model.hf_io import export_policy
+    from tiderl_jax.model.sharding import local_replica
 
     trainer = controller.trainer
-    export_policy(trainer.graphdef, trainer.params, tokenizer, path,
-                  meta=dict(step=controller.step, version=controller.version, mode=controller.cfg.mode))
+    params = local_replica(trainer.params)  # across processes: gathered by all, written by process 0
+    if distributed.cluster().primary:
+        export_policy(trainer.graphdef, params, tokenizer, path,
+                      meta=dict(step=controller.step, version=controller.version, mode=controller.cfg.mode))
     return path
 
 
@@ -240,10 +258,13 @@ def _ledger(controller, state) -> dict:
     from tiderl_jax import run_report
 
     groups = [*controller.in_flight.values(), *controller.resume_groups]
+    local = dict(unfinished=controller.unfinished(),
+                 ready=sum(len(g.trajectories) for g in [*controller.taking, *controller.ready]),
+                 waiting=sum(len(g.trajectories) for g in groups))
+    counts = controller._gathered_counts("ledger accounts", **local)  # every process's (all call it)
     return run_report.ledger_accounts(
-        dict(controller.ledger), unfinished=controller.unfinished(), trained=len(controller.consumed),
-        ready=sum(len(g.trajectories) for g in [*controller.taking, *controller.ready]),
-        waiting=sum(len(g.trajectories) for g in groups), interrupted=state.data.get("lost_at_interruptions", 0))
+        dict(controller.global_ledger()), unfinished=counts["unfinished"], trained=len(controller.consumed),
+        ready=counts["ready"], waiting=counts["waiting"], interrupted=state.data.get("lost_at_interruptions", 0))
 
 
 def _count_lost(controller, state) -> None:
@@ -251,6 +272,8 @@ def _count_lost(controller, state) -> None:
     being assembled (`taking`) and the in-flight groups, those a resume has not admitted again included; any
     completed sample the ledger cannot place now (its residual) will be neither trained nor generated again.
     run_state keeps their count for the ledger (`run_report.ledger_accounts`)."""
+    if distributed.cluster().multi:  # the others may be gone: the accounts need them all
+        return
     lost = _ledger(controller, state)["completed_as"]["unexplained"]
     if lost > 0:
         state.save(lost_at_interruptions=state.data.get("lost_at_interruptions", 0) + lost)
@@ -258,8 +281,12 @@ def _count_lost(controller, state) -> None:
 
 def main(argv):
     del argv
+    cluster = distributed.initialize_from_flags()  # before any other JAX work
+    if not cluster.primary:  # process 0 prints and writes; the others' errors still reach stderr
+        sys.stdout = open(os.devnull, "w")
     try:
         _main(_CONFIG.value)
+        cluster.finished()
     except KeyboardInterrupt:  # before anything was built (the phases below handle their own)
         print("\ninterrupted while starting; nothing to save", flush=True)
         sys.exit(130)
@@ -273,9 +300,15 @@ def _main(cfg):
     pylogging.getLogger("absl").setLevel(pylogging.WARNING)  # orbax's per-save chatter (after the above)
     pylogging.getLogger("tiderl_jax").setLevel(pylogging.INFO)
     phases = Phases()
+    cluster = distributed.cluster()
+    if not cluster.primary:
+        pylogging.getLogger("tiderl_jax").setLevel(pylogging.WARNING)
     try:  # every check that needs no model, then the model
         platform = config_lib.apply_platform_settings(cfg)
         config_lib.check_main_job(cfg)
+        if cluster.multi and cfg.warm_start == "scratch":
+            raise ConfigError("warm_start='scratch' runs on one process: run launch/sft.py there first, then "
+                              "this job with warm_start='checkpoint' and checkpoint=<its output>")
         if cfg.warm_start == "scratch":
             with cfg.unlocked():
                 cfg.checkpoint = ""  # random weights; the warm start below trains them
@@ -287,7 +320,7 @@ def _main(cfg):
             _check_prompts(cfg, tokenizer)
         else:
             data, too_long = _check_dataset_prompts(cfg, tokenizer, data)
-        state = RunState(cfg.logdir, cfg.to_dict(), _defaults())
+        state = RunState(cfg.logdir, cfg.to_dict(), _defaults(), write=cluster.primary)
         state.check_same_run()
         done = state.finished()
         if done is not None and done["steps"] >= ccfg.steps:
@@ -296,7 +329,8 @@ def _main(cfg):
                   f"raise --config.controller.steps above {done['steps']}; to start a new run, use another "
                   f"--config.logdir or delete {cfg.logdir}", flush=True)
             return
-        config_file = write_config(cfg.logdir, cfg.to_dict())
+        config_file = write_config(cfg.logdir, cfg.to_dict()) if cluster.primary else \
+            os.path.join(cfg.logdir, "config.json")
         if done is not None:
             kept = state.continue_finished(done)
             print(f"continuing the finished run in {cfg.logdir} from {done['steps']} to {ccfg.steps} RL steps"
@@ -309,6 +343,7 @@ def _main(cfg):
     from tiderl_jax.runtime.controller import Controller
 
     compiles = CompileWatch().start()
+    cluster.start_watchdog()  # a process that dies or hangs from here on ends the run, named
 
     controller = None
     try:
@@ -323,7 +358,7 @@ def _main(cfg):
         _export_at_checkpoints(controller, tokenizer, cfg.logdir)
     print(f"model: {model.cfg.arch}, {_num_params(model) / 1e6:.2f}M parameters "
           f"({'from ' + cfg.checkpoint if cfg.checkpoint else 'random weights, warm start first'}); "
-          f"{_describe_tasks(cfg, data, too_long if data else 0)}; {ccfg.mode} on {len(controller.backend.devices)} {platform} devices; "
+          f"{_describe_tasks(cfg, data, too_long if data else 0)}; {ccfg.mode} on {_where(controller, platform)}; "
           f"config in {config_file}", flush=True)
     try:
         if resumed:
@@ -359,6 +394,8 @@ def _main(cfg):
         policy = _export(controller, tokenizer, os.path.join(cfg.logdir, "hf_export"))
         phases.enter("summary")
         compiles.stop()
+        if not cluster.primary:
+            return
         path = _report(cfg, ccfg, controller, summary, before, after, phases, compiles, platform,
                        dict(policy=f"{policy} (python launch/generate.py --checkpoint={policy})",
                             rollouts=", ".join(os.path.join(cfg.logdir, "rollouts", f) for f in (
@@ -378,7 +415,7 @@ def _main(cfg):
         import traceback
         if phases.current == "RL":
             _count_lost(controller, state)
-        trace = os.path.join(cfg.logdir, "error.log")
+        trace = os.path.join(cfg.logdir, "error.log" if cluster.primary else f"error.process_{cluster.index}.log")
         with open(trace, "a") as f:
             traceback.print_exc(file=f)
         cause = e.__cause__ or e
@@ -390,6 +427,13 @@ def _main(cfg):
             controller.metrics.close()
             if controller.checkpointer is not None:
                 controller.checkpointer.close()
+
+
+def _where(controller, platform: str) -> str:
+    cluster = distributed.cluster()
+    n = len(controller.backend.devices)
+    return (f"{n * cluster.count} {platform} devices in {cluster.count} processes ({n} each)" if cluster.multi
+            else f"{n} {platform} devices")
 
 
 def _mixture_consumed(controller, mixed) -> dict:

@@ -77,7 +77,9 @@ def write_config(logdir: str, config: dict) -> str:
 class RunState:
     """`run_state.json` in the log directory: the run's config and what its finished phases produced."""
 
-    def __init__(self, logdir: str, config: dict, defaults: dict | None = None):
+    def __init__(self, logdir: str, config: dict, defaults: dict | None = None, write: bool = True):
+        """`write=False`: kept in memory only (a multi-process run's processes but the first)."""
+        self.write = write
         self.logdir = logdir
         self.path = os.path.join(logdir, "run_state.json")
         self.config = flat(config)
@@ -125,11 +127,15 @@ class RunState:
         if not os.path.exists(summary):
             return None
         kept = os.path.join(self.logdir, f"summary.{done['steps']}_steps.json")
+        if not self.write:
+            return kept
         os.replace(summary, kept)
         return kept
 
     def save(self, **updates) -> None:
         self.data.update(updates, config=self.config)
+        if not self.write:
+            return
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self.data, f)

@@ -198,5 +198,73 @@ def place_copy(tree, shardings):
     with the source (same layout, or a replicated leaf whose target devices already hold a
     replica), and a train step that donates its parameters would then delete them under whoever
     shares them (a rollout engine, a reference model)."""
-    moved = jax.device_put(tree, shardings)
+    moved = put(tree, shardings)
     return jax.jit(lambda t: jax.tree.map(lambda x: x.copy(), t), out_shardings=shardings)(moved)
+
+
+# ---------------------------------------------------------------------- across processes (jax.distributed)
+# A process reads and writes only its own devices' buffers. A layout whose devices span processes is moved in
+# two phases (docs/multihost.md): reshard within the source devices to a layout every process holds whole (an
+# all-gather, a collective every process takes part in), then a same-layout copy from a local device.
+
+
+def local_replica(tree):
+    """Each array leaf's whole value on one of this process's devices: unchanged where the leaf is already on this
+    process's devices only, else all-gathered within its own devices first (one program for the tree; every
+    process must call it at the same point)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    spanning = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    if not spanning:
+        return tree
+    whole = [NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in spanning]
+    gathered = jax.jit(lambda xs: xs, out_shardings=whole)([leaves[i] for i in spanning])
+    for i, x in zip(spanning, gathered):
+        leaves[i] = x.addressable_data(0)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def host_value(x) -> np.ndarray:
+    """An array's whole value as numpy on this host (an all-gather when it spans processes: `local_replica`)."""
+    return np.asarray(local_replica(x))
+
+
+
+
+def from_host(x, sharding):
+    """A host value on `sharding`. Across processes each process fills its own devices' shards from its copy,
+    which must be the same on every process (no communication: `jax.device_put` of a host value onto devices of
+    several processes would first check, in a collective of its own, that every process passed the same)."""
+    x = np.asarray(x)
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def put(tree, shardings):
+    """`jax.device_put` that also crosses processes: a leaf moves directly when source and target are this
+    process's devices alone or the same devices, else through `local_replica` (the two-phase move) and
+    `from_host`. `shardings` is one sharding or a prefix tree of `tree` (as for `jax.device_put`)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        targets, prefix, subs = [shardings], None, [tree]
+    else:
+        targets, prefix = jax.tree.flatten(shardings)
+        subs = prefix.flatten_up_to(tree)
+    pieces = [jax.tree.flatten(sub) for sub in subs]
+    crossing = [(i, j) for i, (leaves, _) in enumerate(pieces) for j, x in enumerate(leaves)
+                if _crosses(x, targets[i])]
+    if not crossing:
+        return jax.device_put(tree, shardings)
+    whole = local_replica([pieces[i][0][j] for i, j in crossing])
+    for (i, j), x in zip(crossing, whole):
+        pieces[i][0][j] = x if targets[i].is_fully_addressable else from_host(x, targets[i])
+    subs = [treedef.unflatten(leaves) for leaves, treedef in pieces]
+    return jax.device_put(subs[0] if prefix is None else prefix.unflatten(subs), shardings)
+
+
+def _crosses(x, sharding) -> bool:
+    """Whether `jax.device_put(x, sharding)` would move data between processes (or check it across them)."""
+    if not isinstance(sharding, jax.sharding.Sharding) or sharding.is_fully_addressable:
+        return isinstance(x, jax.Array) and not x.is_fully_addressable
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x.sharding.device_set != sharding.device_set
+    return True  # a host value or this process's array onto devices of several processes: `from_host`

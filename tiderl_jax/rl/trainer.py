@@ -46,8 +46,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import (DEFAULT_RULES, ActivationSharding, Rules, place_copy, spec_for,
-                                       state_shardings)
+from tiderl_jax.model.sharding import (DEFAULT_RULES, ActivationSharding, Rules, from_host, host_value, place_copy,
+                                       put, spec_for, state_shardings)
 from tiderl_jax.rl import losses
 from tiderl_jax.rl.advantages import GROUP_ESTIMATORS, gae, token_level_rewards
 from tiderl_jax.rl.batch import PackedBatch, pack
@@ -278,7 +278,7 @@ class Trainer:
         if config.loss.advantage_estimator == "gae":
             self.value_graphdef, self.value_params = nnx.split(ValueHead(model.cfg.hidden_size))
             if mesh is not None:
-                self.value_params = jax.device_put(self.value_params,
+                self.value_params = put(self.value_params,
                                                    state_shardings(self.value_params, mesh, rules))
         self.tx = make_optimizer(config)
         self.schedule = lr_schedule(config)
@@ -287,7 +287,7 @@ class Trainer:
             rep = NamedSharding(mesh, PartitionSpec())
             self.opt_state = jax.tree.map(
                 lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-                else jax.device_put(x, rep), self.opt_state)
+                else put(x, rep), self.opt_state)
         self.step_count = 0
         self.skipped_steps = 0
         self._programs: dict[tuple, object] = {}
@@ -310,15 +310,15 @@ class Trainer:
     def move_to(self, mesh: Mesh) -> None:
         """Continues on another mesh (an ERS move at a step boundary): parameters, value head,
         reference parameters and optimizer state are resharded there; programs recompile."""
-        model = nnx.merge(self.graphdef, jax.device_put(self.params, state_shardings(self.params, mesh, self.rules)))
+        model = nnx.merge(self.graphdef, put(self.params, state_shardings(self.params, mesh, self.rules)))
         model.activation_sharding = ActivationSharding(mesh, self.rules)  # activations pinned there too
         self.graphdef, self.params = nnx.split(model)
         if self.value_params is not None:
-            self.value_params = jax.device_put(self.value_params,
+            self.value_params = put(self.value_params,
                                                state_shardings(self.value_params, mesh, self.rules))
         if self.ref_params is not None:
-            self.ref_params = jax.device_put(self.ref_params, state_shardings(self.ref_params, mesh, self.rules))
-        self.opt_state = jax.tree.map(lambda x: jax.device_put(x, _same_layout_on(x, mesh)), self.opt_state)
+            self.ref_params = put(self.ref_params, state_shardings(self.ref_params, mesh, self.rules))
+        self.opt_state = put(self.opt_state, jax.tree.map(lambda x: _same_layout_on(x, mesh), self.opt_state))
         self.mesh = mesh
         self._programs.clear()
 
@@ -359,7 +359,7 @@ class Trainer:
         shardings = self._batch_sharding(batch)
         if shardings is None:
             return {k: jnp.asarray(v) for k, v in batch.items()}
-        return {k: jax.device_put(np.asarray(v), shardings[k]) for k, v in batch.items()}
+        return {k: from_host(v, shardings[k]) for k, v in batch.items()}  # across processes: no check
 
     # ------------------------------------------------------------------ scoring
 
@@ -385,7 +385,7 @@ class Trainer:
                            out_shardings=(out, out if with_values else None))
         key = ("score", with_values, tuple(sorted((k, np.shape(v)) for k, v in batch.items())))
         logp, values = self._program(key, build)(params, batch)
-        return np.asarray(logp), None if values is None else np.asarray(values)
+        return host_value(logp), None if values is None else host_value(values)
 
     # ------------------------------------------------------------------ steps
 

@@ -34,7 +34,7 @@ from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.engine.engine import Engine, EngineConfig
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, make_mesh, place_copy
+from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, local_replica, make_mesh, place_copy
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.policies import routing
 from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
@@ -64,12 +64,13 @@ class JaxBackend(HotSwitches):
         self.tensor = tensor
         self.replica_mode = replicas
         self.pool = pool
-        self.devices = list(devices or jax.devices())
+        self.multi = jax.process_count() > 1  # across processes: docs/multihost.md
+        self.devices = list(devices or (jax.local_devices() if self.multi else jax.devices()))
         graphdef, params = nnx.split(model)
         if pool is None:  # one mesh for everything; nothing moves
-            n = len(self.devices)
-            t = tensor if n % tensor == 0 else 1
-            roll_mesh = train_mesh = make_mesh({"data": 1, "fsdp": n // t, "tensor": t}, self.devices)
+            roll_mesh = train_mesh = _mesh(self.devices, tensor)
+            if self.multi:  # the trainer over every process's devices, each process's engine over its own
+                train_mesh = _mesh(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)), tensor)
             ref_mesh = None
         else:
             roll_mesh, train_mesh, ref_mesh = (pool.mesh(r) for r in ("rollout", "train", "ref"))
@@ -186,13 +187,16 @@ class JaxBackend(HotSwitches):
     async def publish(self, version: int) -> bool:
         """The trainer's weights to the engine as `version`; False (the reason in `last_sync_error`)
         when the sync failed and rolled back."""
+        params = self.trainer.params
+        if self.multi:  # the two-phase move: gathered within the train devices (every process at once), then
+            params = await asyncio.to_thread(local_replica, params)  # copied onto this host's replicas below
         if self.engine_workers:  # a host copy to each replica's parameter service, its worker and its standby
-            await asyncio.gather(*(asyncio.to_thread(e.update_params, self.trainer.params, version)
+            await asyncio.gather(*(asyncio.to_thread(e.update_params, params, version)
                                    for e in self.engines))
             return True
 
         def swap(rep):  # between two of this replica's engine steps
-            return self.sync.publish(self.trainer.params, version,
+            return self.sync.publish(params, version,
                                      target_shardings=rep.engine.runner.param_shardings,
                                      drain=lambda: None, swap=rep.engine.update_params)
         # replicas lent to the trainer: they serve this version when they come back
@@ -304,8 +308,9 @@ class JaxBackend(HotSwitches):
         self.trainer.ref_params = arrays["ref"]
         if "value" in arrays:
             self.trainer.value_params = arrays["value"]
+        params = local_replica(self.trainer.params) if self.multi else self.trainer.params
         for engine in self.engines:
-            engine.update_params(self.trainer.params, version)  # the engine copies them
+            engine.update_params(params, version)  # the engine copies them
 
     def load_policy(self, params, version: int) -> None:
         """Starts from these weights (the warm start): the actor, the reference model and the
@@ -314,11 +319,19 @@ class JaxBackend(HotSwitches):
         self.trainer.ref_params = place_copy(params, _shardings(self.trainer.ref_params))
         if self.ref_scorer is not None:
             self.ref_scorer.params = place_copy(params, _shardings(self.ref_scorer.params))
+        if self.multi:
+            params = local_replica(params)
         for engine in self.engines:
             if self.engine_workers:
                 engine.update_params(params, version)
             else:
                 engine.update_params(place_copy(params, _shardings(engine.runner.params)), version)
+
+
+def _mesh(devices, tensor: int):
+    n = len(devices)
+    t = tensor if n % tensor == 0 else 1
+    return make_mesh({"data": 1, "fsdp": n // t, "tensor": t}, list(devices))
 
 
 def _shardings(tree):

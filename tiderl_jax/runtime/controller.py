@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from tiderl_jax import distributed
 from tiderl_jax.agents import tasks as task_lib
 from tiderl_jax.agents.env import LatencyModel, Task
 from tiderl_jax.agents.trajectory import Trajectory
@@ -60,6 +61,7 @@ from tiderl_jax.runtime import health
 from tiderl_jax.runtime.borrowing import Borrowing
 from tiderl_jax.runtime.controller_config import MODES, ControllerConfig  # noqa: F401 (re-exported)
 from tiderl_jax.runtime.metrics import RunMetrics
+from tiderl_jax.runtime.multihost import Multihost, local_config
 from tiderl_jax.runtime.pool import Backend, DevicePool, split_devices
 
 if TYPE_CHECKING:  # the JAX side is imported only when a JaxBackend is built (the simulator needs none)
@@ -92,7 +94,7 @@ class _Group:
     ref_job: asyncio.Future | None = None  # decoupled ref scoring in flight
 
 
-class Controller(Borrowing):
+class Controller(Borrowing, Multihost):
     """One RL loop for the three modes. Give it a model and tokenizer (it builds the `JaxBackend`:
     engine, trainer and reference scorer on device meshes), or any `backend` (e.g. the simulator's)."""
 
@@ -103,7 +105,10 @@ class Controller(Borrowing):
                  make_env: Callable[[Task], object] | None = None, devices: Sequence | None = None,
                  backend: Backend | None = None, checkpoints: bool = True,
                  task_source: Callable[[int], Task] | None = None):
-        self.cfg = config
+        # across processes (runtime/multihost.py): `run_cfg` is the run's config, `cfg` this process's share of it
+        self.cluster = distributed.cluster()
+        self.run_cfg = config
+        self.cfg = config = local_config(config, self.cluster.count)
         self._task_source = task_source  # train task by index (a dataset's, data/datasets.py); None: built-in kinds
         self.latency = latency
         self._make_env = make_env or task_lib.TaskEnvFactory(latency)
@@ -124,10 +129,11 @@ class Controller(Borrowing):
 
             from tiderl_jax.model.sharding import DEFAULT_RULES
             from tiderl_jax.runtime.backend import JaxBackend
-            devices = list(devices or jax.devices())
+            devices = list(devices or (jax.local_devices() if self.cluster.multi else jax.devices()))
             pool = split_devices(devices, mode=config.mode, group_size=config.device_group_size,
                                  rollout=config.rollout_groups, ref=config.ref_groups,
-                                 train=config.train_groups, tensor=config.tensor)
+                                 train=config.train_groups, tensor=config.tensor,
+                                 hosts=_hosts() if self.cluster.multi else None)
             backend = JaxBackend(model, tokenizer, kv_mode=config.kv_mode, pool=pool, engine_config=engine_config,
                                  rollout_config=rollout_config, trainer_config=trainer_config,
                                  rules=rules or DEFAULT_RULES,
@@ -147,7 +153,8 @@ class Controller(Borrowing):
         self.backend = backend
         self.clock = backend.clock
         self.metrics = RunMetrics(logdir, total_steps=config.steps, devices=backend.lanes(), clock=self.clock,
-                                  shared=("rollout", "train") if backend.pool is None else ())
+                                  shared=("rollout", "train") if backend.pool is None else (),
+                                  write=self.cluster.primary)
         self.checkpointer = None
         if checkpoints:
             from tiderl_jax.rl.checkpoint import Checkpointer  # orbax + JAX: only runs that save need it
@@ -231,7 +238,7 @@ class Controller(Borrowing):
     def _next_task(self) -> Task:
         """The next train task (its index is the group id: one GRPO group per task)."""
         kinds = self.cfg.task_kinds
-        i = self.cursor
+        i = self._task_index(self.cursor)  # one process: the cursor itself
         self.cursor += 1
         if self._task_source is not None:
             return self._task_source(i)
@@ -261,7 +268,7 @@ class Controller(Borrowing):
             if self.resume_groups:
                 group = self.resume_groups.pop(0)
             else:
-                group = _Group(self.cursor, self._next_task())
+                group = _Group(self._task_index(self.cursor), self._next_task())
             self.in_flight[group.gid] = group
             ended = {t.info.get("sample") for t in group.trajectories} | set(group.dropped)
             missing = [i for i in range(G) if i not in ended]
@@ -389,7 +396,18 @@ class Controller(Borrowing):
 
     async def _take_batch(self):
         """Waits for `groups_per_step` ready groups; returns them with the measured signals. Raises
-        (`_check_run`) before the step and while waiting when the run cannot go on."""
+        (`_check_run`) before the step and while waiting when the run cannot go on. Across processes: this
+        process's share, then every process's groups in one exchange (`Multihost._exchange_batch`)."""
+        try:
+            batch, waited, ras, hol = await self._take_local_batch()
+        except BaseException as e:
+            self._failed_here(f"step {self.step + 1} batch", e)
+            raise
+        if self.cluster.multi:
+            batch, waited, ras, hol = await self._exchange_batch(batch, waited, ras, hol)
+        return batch, waited, ras, hol
+
+    async def _take_local_batch(self):
         self._check_run()
         t0 = self.clock()
         ras = min(len(self.ready), self.cfg.groups_per_step)
@@ -444,12 +462,13 @@ class Controller(Borrowing):
         t_col = t.get("t_ref_col") or t["t_ref_dec"] * n_ref / n_train
         t_dec = t.get("t_ref_dec") or (t_col * n_train / n_ref if n_ref else t_col)
         return ra2p.RA2PSignals(
-            num_microbatches=self.cfg.groups_per_step, ready_at_start=ras, tprm_s=t["tprm"] or 0.0,
+            num_microbatches=self.run_cfg.groups_per_step, ready_at_start=ras, tprm_s=t["tprm"] or 0.0,
             t_ref_s=t_col, t_act_s=t["t_act"], t_swap_s=0.0, ref_share=t_col / max(t_dec, 1e-9),
             act_share=1.0)
 
     async def _train_step(self, batch: list[_Group]):
-        trajs = [t for g in batch for t in g.trajectories]
+        # in task order: an update is the same whatever order its groups arrived in, on one process or several
+        trajs = [t for g in sorted(batch, key=lambda g: g.gid) for t in g.trajectories]
         if any(g.ref_job is not None for g in batch):  # the trainer waits (idle) for decoupled ref scores
             await asyncio.gather(*(g.ref_job for g in batch if g.ref_job is not None))
         lent = await self._train_borrow() if self.cfg.bidirl else None
@@ -548,20 +567,20 @@ class Controller(Borrowing):
                                  ref_busy_s=ref_busy, rollout_scaling=rollout_scaling, train_coupling=coupling,
                                  produced_batches=produced / self.cfg.batch_samples, move_costs=move_costs)
 
-    async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float, tokens: int):
+    async def _ers_boundary(self, waited: float, step_time: float, ras: int, hol: float, tokens: int,
+                            ready_volume: int):
         if self.cfg.mode != "tiderl" or not self.cfg.ers:
             return
         economics = self.ers_economics = self._ers_economics(tokens, step_time)
         signals = ers.ERSSignals(
-            ready_volume=sum(len(g.trajectories) for g in self.ready), ideal_batch=self.cfg.batch_samples,
+            ready_volume=ready_volume, ideal_batch=self.run_cfg.batch_samples,
             trainer_idle_s=waited, hol_latency_s=hol, step_time_s=step_time, ras=ras,
             break_even_ras=math.inf, rollout_groups=self.pool.num_groups("rollout"),
             train_groups=self.pool.num_groups("train"), ref_groups=self.pool.num_groups("ref"),
             ref_idle=self.ra2p_mode == ra2p.COLOCATED)
-        move, self.ers_history = ers.decide(signals, self.ers_history,
-                                            ers.ERSConfig(patience=self.cfg.ers_patience,
-                                                          cooldown=self.cfg.ers_cooldown),
-                                            economics if self.cfg.ers_economics else None)
+        move, self.ers_history = self._decided("ERS", lambda: ers.decide(
+            signals, self.ers_history, ers.ERSConfig(patience=self.cfg.ers_patience, cooldown=self.cfg.ers_cooldown),
+            economics if self.cfg.ers_economics else None))
         if self.ers_history.refused:
             self.ers_refused += 1
             self.ers_refusals[self.ers_history.refused_kind] += 1
@@ -598,26 +617,31 @@ class Controller(Borrowing):
         """RA2P's devices (`ra2p.repartition`, `ra2p.decide_repartition`): a reference group joins the actor when
         colocated on more devices beats the reference apart, and one is carved out of the actor's (up to the config's
         `ref_groups`) when decoupling pays; with ERS's patience, cooldown, noise floor and move costs."""
+        self._step_time = step_time
         if self.cfg.mode != "tiderl" or self.pool is None or self._moved_this_boundary():
             self.ra2p_history = ra2p.RepartitionHistory()
             return
+        move, self.ra2p_history = self._decided("RA2P devices", lambda: self._ra2p_repartition(ras))
+        if move is not None:
+            await self._apply_move(ers.Move(move.from_role, move.to_role, move.mode, move.reason, move.gain_s,
+                                            move.cost_s), tokens, "RA2P")
+
+    def _ra2p_repartition(self, ras: int):
+        """RA2P's device move at this boundary and its history (`_ra2p_boundary`)."""
         signals = self._ra2p_signals(ras)
         if signals is None:
-            return
+            return None, self.ra2p_history
         f = self.pool.num_groups("ref")
         p = ra2p.repartition(signals, self.pool.num_groups("train"), f, self.cfg.ref_groups, self._train_scaling())
         default, per_move = self._move_costs()
         last_step, last_to = self._last_move
-        move, self.ra2p_history = ra2p.decide_repartition(
-            p, self.ra2p_history, ref_groups=f, mode_now=self.ra2p_mode, step_time_s=step_time,
+        return ra2p.decide_repartition(
+            p, self.ra2p_history, ref_groups=f, mode_now=self.ra2p_mode, step_time_s=self._step_time,
             horizon_steps=self.cfg.steps - self.step,
             cost_s=per_move.get((p.from_role, p.to_role), default) if p is not None else default,
             min_gain_fraction=ers.ERSConfig().min_gain_fraction, patience=self.cfg.ers_patience,
             cooldown=self.cfg.ers_cooldown, last_move_to=last_to,
             boundaries_since_move=None if last_to is None else self.step - last_step)
-        if move is not None:
-            await self._apply_move(ers.Move(move.from_role, move.to_role, move.mode, move.reason, move.gain_s,
-                                            move.cost_s), tokens, "RA2P")
 
     def _moved_this_boundary(self) -> bool:
         return self._last_move[0] == self.step
@@ -639,7 +663,7 @@ class Controller(Borrowing):
     def save(self, wait: bool = False) -> None:
         if self.checkpointer is None:
             return
-        self.checkpointer.save(self.step, self.backend.arrays(), self.checkpoint_meta())
+        self.checkpointer.save(self.step, self.backend.arrays(), self._global_meta(self.checkpoint_meta()))
         if wait:
             self.checkpointer.wait()
 
@@ -662,6 +686,7 @@ class Controller(Borrowing):
         if self.checkpointer is None or self.checkpointer.latest_step() is None:
             return False
         arrays, meta = self.checkpointer.restore(self.backend.arrays())
+        meta = self._local_meta(meta)  # this process's cursor, buffer and ledger (all of it on one process)
         self.step, self.version, self.cursor = meta["step"], meta["version"], meta["cursor"]
         self.backend.restore_arrays(arrays, step=self.step, version=self.version)
         for g in meta["ready"]:
@@ -694,9 +719,13 @@ class Controller(Borrowing):
         producer = self._producer = asyncio.create_task(self._produce())
         producer.add_done_callback(lambda _: self._wake.set())  # a producer that died wakes the trainer
         last = self.clock()
+        completed = False
         try:
             while self.step < self.cfg.steps:
-                decision = self._ra2p_decision(len(self.ready))
+                ras0 = len(self.ready)
+                if self.cluster.multi and self.cfg.mode == "tiderl" and self.backend.has_ref_devices:
+                    ras0 = self._gathered_counts("ready at start", ras=ras0)["ras"]
+                decision = self._decided("RA2P mode", lambda: self._ra2p_decision(ras0))
                 if decision is not None:
                     self.ra2p_mode = decision.mode
                 batch, waited, ras, hol = await self._take_batch()
@@ -705,7 +734,10 @@ class Controller(Borrowing):
                 self.taking, self.consumed = [], self.consumed + [[t.group, t.info.get("sample")] for t in trajs]
                 now = self.clock()
                 step_time, last = now - last, now
-                await self._ers_boundary(waited, step_time, ras, hol, int(out.get("tokens", 0)))
+                counts = self._gathered_counts(  # every process's (process 0 decides and logs from them)
+                    f"step {self.step} counts", ready_volume=sum(len(g.trajectories) for g in self.ready),
+                    ready_groups=len(self.ready), running=self.running, discarded=self.discarded)
+                await self._ers_boundary(waited, step_time, ras, hol, int(out.get("tokens", 0)), counts["ready_volume"])
                 await self._ra2p_boundary(ras, step_time, int(out.get("tokens", 0)))
                 await self._publish(self.version + 1)
                 self.version += 1  # only now: the producer admits the next batch on the new weights
@@ -716,8 +748,8 @@ class Controller(Borrowing):
                 evals = await self.metrics.run_hook(on_step, self.step)  # e.g. a held-out evaluation, whose
                 last += self.metrics.phases[-1][2] - self.metrics.phases[-1][1] if evals else 0.0  # time ERS ignores
                 self.metrics.log_step(self.step, dict(
-                    out, **stats, **evals, version=self.version, ready_groups=len(self.ready),
-                    trainer_wait_s=waited, ras=ras, hol_s=hol, running=self.running, discarded=self.discarded,
+                    out, **stats, **evals, version=self.version, ready_groups=counts["ready_groups"],
+                    trainer_wait_s=waited, ras=ras, hol_s=hol, running=counts["running"], discarded=counts["discarded"],
                     kv_hit_rate=self.backend.kv_hit_rate(), ra2p_decoupled=float(self.ra2p_mode == ra2p.DECOUPLED),
                     ra2p_cost_colocated=decision.cost_colocated if decision else float("nan"),
                     ra2p_cost_decoupled=decision.cost_decoupled if decision else float("nan"),
@@ -729,12 +761,15 @@ class Controller(Borrowing):
                              decision.cost_colocated, decision.cost_decoupled)
                 if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                     self.save()
+            completed = True
         finally:
             self._stop = True
             self._wake.set()
             await asyncio.gather(producer, return_exceptions=True)  # its failure is raised above
-            self.save(wait=True)
+            if completed or not self.cluster.multi:  # across processes a save is collective: all got here
+                self.save(wait=True)
             await self.shutdown()
+        self._ledger_total = self.global_ledger()
         return self.summary()
 
     def summary(self) -> dict:
@@ -743,7 +778,7 @@ class Controller(Borrowing):
                  discarded=self.discarded, moves=len(self.moves), ers_refused=self.ers_refused,
                  ers_refusals=dict(self.ers_refusals),
                  borrows=len(self.borrows), borrows_refused=self.borrows_refused,
-                 syncs_failed=self.syncs_failed, ledger=dict(self.ledger),
+                 syncs_failed=self.syncs_failed, ledger=dict(getattr(self, "_ledger_total", None) or self.ledger),
                  admission_held_s=self._held_by_staleness_s + (self.clock() - self._held_since
                                                                if self._held_since is not None else 0.0))
         return s
@@ -758,3 +793,15 @@ class Controller(Borrowing):
         await self.backend.stop()
         if hasattr(self._make_env, "close"):  # an environment process pool
             self._make_env.close()
+
+
+def _hosts() -> tuple:
+    """Every process's devices, process by process (a multi-process pool's view of the others: its train mesh
+    spans them)."""
+    import jax
+    hosts = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+             for p in range(jax.process_count())]
+    if len({len(h) for h in hosts}) != 1:
+        raise ConfigError(f"the processes have different device counts ({[len(h) for h in hosts]}); every host "
+                          f"must drive as many devices as the others")
+    return tuple(tuple(h) for h in hosts)

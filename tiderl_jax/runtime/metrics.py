@@ -68,15 +68,16 @@ def tensorboard_tag(key: str) -> str:
 
 class RunMetrics:
     def __init__(self, logdir: str, *, total_steps: int, devices: dict[str, int] | None = None,
-                 shared: tuple[str, ...] = (), clock=time.perf_counter):
+                 shared: tuple[str, ...] = (), clock=time.perf_counter, write: bool = True):
+        """`write=False` (a multi-process run's processes but the first): everything is counted, nothing written."""
         from tensorboardX import SummaryWriter  # imported here: only runs that log need it
 
         os.makedirs(logdir, exist_ok=True)
         self.logdir = logdir
         self.total_steps = total_steps
         self.devices = dict(devices or {})  # lane -> devices it holds (changes on ERS moves)
-        self.writer = SummaryWriter(logdir)
-        self.jsonl = open(os.path.join(logdir, "metrics.jsonl"), "a")
+        self.writer = SummaryWriter(logdir) if write else _NoWriter()
+        self.jsonl = open(os.path.join(logdir, "metrics.jsonl") if write else os.devnull, "a")
         self.clock = clock  # seconds; the simulator's is virtual
         self.t0 = clock()
         self.spans: list[tuple[str, str, float, float]] = []  # (lane, kind, start, end) since t0
@@ -285,6 +286,17 @@ class RunMetrics:
     def close(self) -> None:
         self.writer.close()
         self.jsonl.close()
+
+
+class _NoWriter:
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _union(intervals) -> list[tuple[float, float]]:

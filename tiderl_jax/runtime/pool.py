@@ -30,6 +30,10 @@ class DevicePool:
     group_size: int  # devices per group
     roles: Mapping[str, tuple[int, ...]]  # role -> group ids it owns
     tensor: int = 1  # tensor-parallel size of each role's mesh (when it divides the role's devices)
+    # across processes (jax.distributed): every process's devices, process by process; `devices` are this process's.
+    # The train mesh then spans every process's train devices (the same local groups on each: moves are the same
+    # on every process); rollout replicas and a decoupled reference stay on this process's devices.
+    hosts: tuple | None = None
 
     @classmethod
     def split(cls, devices, *, group_size: int, rollout: int, train: int, ref: int = 0,
@@ -56,8 +60,15 @@ class DevicePool:
         return len(self.roles[role])
 
     def mesh(self, role: str):
-        """The role's `fsdp x tensor` mesh (a jax Mesh); None for a role without devices."""
+        """The role's `fsdp x tensor` mesh (a jax Mesh); None for a role without devices. Across processes the
+        train mesh is over every process's train devices (process-major: tensor within a host, fsdp across)."""
         devs = self.devices_of(role)
+        if devs and role == "train" and self.hosts is not None:
+            where = [self.devices.index(d) for d in devs]
+            devs = [host[i] for host in self.hosts for i in where]
+            t = self.tensor if len(where) % self.tensor == 0 else 1
+            from tiderl_jax.model.sharding import make_mesh
+            return make_mesh({"data": 1, "fsdp": len(devs) // t, "tensor": t}, devs)
         return group_mesh(devs, self.tensor) if devs else None
 
     def group_devices(self, gid: int) -> list:
@@ -89,11 +100,13 @@ def group_mesh(devices: Sequence, tensor: int):
 
 
 def split_devices(devices: Sequence, *, mode: str, group_size: int, rollout: int, ref: int, train: int,
-                  tensor: int) -> DevicePool | None:
-    """The device groups of a mode: None for sync (one set for everything), else the pool."""
+                  tensor: int, hosts: tuple | None = None) -> DevicePool | None:
+    """The device groups of a mode: None for sync (one set for everything), else the pool (`hosts`: every
+    process's devices, for a train mesh across processes)."""
     if mode == "sync":
         return None
-    return DevicePool.split(devices, group_size=group_size, rollout=rollout, ref=ref, train=train, tensor=tensor)
+    pool = DevicePool.split(devices, group_size=group_size, rollout=rollout, ref=ref, train=train, tensor=tensor)
+    return dataclasses.replace(pool, hosts=hosts)
 
 
 def lanes_of(pool: DevicePool | None, num_devices: int) -> dict[str, int]:

@@ -1,0 +1,370 @@
+"""Multi-host runs on JAX's multi-controller runtime (`jax.distributed`): one process per host, the same program
+on every one (docs/multihost.md).
+
+- **Start** (`define_flags`, `initialize`): every `launch/` entry point takes `--coordinator_address`,
+  `--num_processes`, `--process_id` and `--local_device_ids`, or leaves them unset where
+  `jax.distributed.initialize()` finds them itself (TPU VMs, Slurm, Open MPI); it is called before any JAX
+  work. On the CPU the collectives are gloo's (`launch/local_cluster.py` starts N processes on one machine).
+- **Control messages** (`Cluster`): small objects (decisions, signals, trajectories, checkpoint meta) go
+  through the coordinator's key-value store, not through device collectives: no program is compiled per
+  message shape, every wait has its own bounded timeout, and a timeout names the processes that did not
+  answer (gloo's collectives wait 30 s and then fail without a name). `broadcast` sends process 0's object to
+  all (the decisions: every process applies process 0's); `allgather` gives every process the list of all
+  processes' objects (the signals, the batch). Each call is numbered, so every process must make the same
+  calls in the same order, which the controller's lockstep at step boundaries guarantees.
+- **Faults** (`Cluster.start_watchdog`): each process writes a heartbeat every second; a process whose heartbeat
+  stops for `heartbeat_timeout_s` (it died, or it hangs: a stopped process stops beating too) makes every other
+  one exit with status 1 and an error naming it, and so does the coordinator going away. JAX's own detection
+  (its heartbeat timeout, which aborts with a stack trace) is set later than ours as the backstop. A process
+  alive but stuck in its loop is caught by the next exchange's timeout (`exchange_timeout_s`), named too.
+
+A single process (`num_processes` 1, nothing initialized) gets the same `Cluster` with `count == 1`, whose
+exchanges return at once: the controller's code is the same either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import sys
+import threading
+import time
+import zlib
+from typing import Any, Callable, Sequence
+
+# a key-value store value stays well under gRPC's 4 MiB message limit: larger objects go in chunks
+_CHUNK = 1 << 21
+# JAX's own heartbeat detection (it aborts the process with a stack trace) waits this many times ours
+_JAX_HEARTBEAT_FACTOR = 3
+
+
+class ClusterError(RuntimeError):
+    """A process of the run died, hangs, or answered with an error; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    coordinator_address: str = ""  # host:port of process 0's coordinator; "": detect (TPU, Slurm, MPI) or single
+    num_processes: int = 0  # 0: detect
+    process_id: int = -1  # -1: detect
+    local_device_ids: tuple[int, ...] = ()  # the accelerators this process drives (GPUs); (): all it sees
+    heartbeat_timeout_s: float = 20.0
+    exchange_timeout_s: float = 600.0  # longest wait for the others at a step boundary (a compile, an evaluation)
+
+    @property
+    def explicit(self) -> bool:
+        return bool(self.coordinator_address) or self.num_processes > 1
+
+
+def define_flags(flags_module=None) -> None:
+    """The multi-host flags of every launch script (absl)."""
+    from absl import flags
+    f = flags_module or flags
+    f.DEFINE_string("coordinator_address", "", "host:port of process 0 (jax.distributed); unset: detected on TPU, "
+                    "Slurm and Open MPI, else a single process")
+    f.DEFINE_integer("num_processes", 0, "processes of the run (one per host); 0: detected, else 1")
+    f.DEFINE_integer("process_id", -1, "this process's index, 0 .. num_processes - 1; -1: detected")
+    f.DEFINE_list("local_device_ids", [], "accelerator ids this process drives (GPUs; comma list); unset: all it sees")
+    f.DEFINE_float("heartbeat_timeout_s", 20.0, "a process silent this long ends the run, named (multi-host)")
+    f.DEFINE_float("exchange_timeout_s", 600.0, "longest wait for the other processes at a step boundary")
+
+
+def spec_from_flags() -> ClusterSpec:
+    from absl import flags
+    F = flags.FLAGS
+    try:
+        ids = tuple(int(x) for x in F.local_device_ids)
+    except ValueError:
+        raise ValueError(f"--local_device_ids={','.join(F.local_device_ids)}: a comma list of integers") from None
+    return ClusterSpec(F.coordinator_address, F.num_processes, F.process_id, ids, F.heartbeat_timeout_s,
+                       F.exchange_timeout_s)
+
+
+def detected_cluster() -> str | None:
+    """The cluster environment `jax.distributed.initialize()` reads by itself, when this process runs in one with
+    more than one process (None otherwise: a single process needs no coordinator)."""
+    env = os.environ
+    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env:
+        return "slurm"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return "mpi"
+    hosts = env.get("TPU_WORKER_HOSTNAMES", "") or env.get("MEGASCALE_COORDINATOR_ADDRESS", "")
+    if "," in hosts or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return "tpu"
+    return None
+
+
+def check_spec(spec: ClusterSpec) -> None:
+    """Bad flags as one line (ValueError), before anything starts."""
+    if spec.num_processes < 0:
+        raise ValueError(f"--num_processes={spec.num_processes}: must be >= 1")
+    if spec.explicit:
+        if not spec.coordinator_address:
+            raise ValueError(f"--num_processes={spec.num_processes} needs --coordinator_address=HOST:PORT (process "
+                             f"0's address, the same on every process)")
+        host, _, port = spec.coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--coordinator_address={spec.coordinator_address!r}: expected HOST:PORT")
+        if spec.num_processes < 1:
+            raise ValueError("--coordinator_address needs --num_processes (the same on every process)")
+        if not 0 <= spec.process_id < spec.num_processes:
+            raise ValueError(f"--process_id={spec.process_id}: must be in 0..{spec.num_processes - 1} "
+                             f"(--num_processes={spec.num_processes})")
+    if spec.heartbeat_timeout_s <= 0 or spec.exchange_timeout_s <= 0:
+        raise ValueError("--heartbeat_timeout_s and --exchange_timeout_s must be > 0")
+
+
+_CLUSTER: "Cluster | None" = None
+
+
+def initialize(spec: ClusterSpec = ClusterSpec()) -> "Cluster":
+    """Starts `jax.distributed` when the flags (or a detected cluster) ask for more than one process, before any
+    other JAX work; returns the run's `Cluster` (a single one when they do not). Call once, at the top of main."""
+    global _CLUSTER
+    check_spec(spec)
+    import jax
+    detected = None if spec.explicit else detected_cluster()
+    if not spec.explicit and detected is None:
+        _CLUSTER = Cluster(spec, 0, 1)
+        return _CLUSTER
+    if jax.config.jax_platforms in (None, "") and os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") or \
+            os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    heartbeat = max(int(spec.heartbeat_timeout_s * _JAX_HEARTBEAT_FACTOR), 10)
+    if detected is not None:
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
+    else:
+        jax.distributed.initialize(spec.coordinator_address, num_processes=spec.num_processes,
+                                   process_id=spec.process_id, local_device_ids=list(spec.local_device_ids) or None,
+                                   heartbeat_timeout_seconds=heartbeat,
+                                   initialization_timeout=int(max(60, spec.exchange_timeout_s)))
+    _CLUSTER = Cluster(spec, jax.process_index(), jax.process_count())
+    return _CLUSTER
+
+
+def initialize_from_flags() -> "Cluster":
+    """`initialize` from the launch flags; bad flags, or a coordinator that cannot be reached, exit 2 with one
+    line."""
+    try:
+        spec = spec_from_flags()
+        return initialize(spec)
+    except (ValueError, RuntimeError) as e:  # JaxRuntimeError is a RuntimeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: multi-host start: {first}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def cluster() -> "Cluster":
+    """The run's cluster (a single process until `initialize` says otherwise)."""
+    return _CLUSTER if _CLUSTER is not None else Cluster(ClusterSpec(), 0, 1)
+
+
+class Cluster:
+    """This process's place in the run and the control messages between the processes (module docstring)."""
+
+    def __init__(self, spec: ClusterSpec, index: int, count: int):
+        self.spec = spec
+        self.index = index
+        self.count = count
+        self._seq = 0
+        self._mine: list[str] = []  # keys this process wrote, deleted two exchanges later (all have read them)
+        self._watchdog: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.on_failure: Callable[[str], None] | None = None
+
+    @property
+    def primary(self) -> bool:
+        return self.index == 0
+
+    @property
+    def multi(self) -> bool:
+        return self.count > 1
+
+    def __repr__(self) -> str:
+        return f"Cluster(process {self.index} of {self.count})"
+
+    # ------------------------------------------------------------------ the key-value store
+
+    @property
+    def _client(self):
+        from jax._src import distributed  # the coordinator's client: no public accessor
+        return distributed.global_state.client
+
+    def _put(self, key: str, obj: Any) -> None:
+        data = zlib.compress(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), 1)
+        chunks = [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
+        client = self._client
+        for i, chunk in enumerate(chunks):
+            client.key_value_set_bytes(f"{key}/{i}", chunk)
+        client.key_value_set(f"{key}/n", str(len(chunks)))  # last: a reader sees every chunk after it
+        self._mine.append(key)
+
+    def _get(self, key: str, owner: int, deadline: float, what: str) -> Any:
+        client = self._client
+        try:
+            n = int(client.blocking_key_value_get(f"{key}/n", self._ms_left(deadline)))
+            data = b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", self._ms_left(deadline))
+                            for i in range(n))
+        except Exception as e:  # noqa: BLE001 - a timeout, or the coordinator gone: named below
+            raise self._failure(owner, what, e) from None
+        return pickle.loads(zlib.decompress(data))
+
+    @staticmethod
+    def _ms_left(deadline: float) -> int:
+        return max(1, int((deadline - time.monotonic()) * 1000))
+
+    def _failure(self, owner: int, what: str, e: Exception) -> ClusterError:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower() or "deadline" in text.lower():
+            return ClusterError(f"process {owner} of {self.count} did not reach '{what}' within "
+                                f"{self.spec.exchange_timeout_s:.0f} s (it hangs, died, or took another path)")
+        return ClusterError(f"process {owner} of {self.count}: '{what}' failed ({text}); the coordinator "
+                            f"(process 0) may be gone")
+
+    def _forget_old(self) -> None:
+        """Deletes this process's values of two exchanges ago: every process has read them by now (each has
+        posted to the last exchange, which it does only after reading the one before)."""
+        while len(self._mine) > 2 * max(1, self.count):
+            key = self._mine.pop(0)
+            try:
+                self._client.key_value_delete(key)  # the key and every key under it
+            except Exception:  # noqa: BLE001 - a leftover value costs memory, not correctness
+                pass
+
+    # ------------------------------------------------------------------ exchanges
+
+    def allgather(self, what: str, obj: Any) -> list[Any]:
+        """Every process's `obj`, in process order, on every process (one exchange; all processes call it)."""
+        if not self.multi:
+            return [obj]
+        self._seq += 1
+        base = f"tiderl/x{self._seq}"
+        self._put(f"{base}/{self.index}", (what, obj))
+        deadline = time.monotonic() + self.spec.exchange_timeout_s
+        out = [obj if q == self.index else self._matching(self._get(f"{base}/{q}", q, deadline, what), q, what)
+               for q in range(self.count)]
+        self._forget_old()
+        errors = [(q, o["__error__"]) for q, o in enumerate(out) if isinstance(o, dict) and "__error__" in o]
+        if errors:
+            q, error = errors[0]
+            raise ClusterError(f"process {q} of {self.count} failed at '{what}': {error}")
+        return out
+
+    def broadcast(self, what: str, obj: Any = None) -> Any:
+        """Process 0's `obj` on every process (the others' argument is ignored)."""
+        if not self.multi:
+            return obj
+        self._seq += 1
+        key = f"tiderl/b{self._seq}"
+        if self.primary:
+            self._put(key, (what, obj))
+            self._forget_old()
+            return obj
+        out = self._matching(self._get(key, 0, time.monotonic() + self.spec.exchange_timeout_s, what), 0, what)
+        if isinstance(out, dict) and "__error__" in out:
+            raise ClusterError(f"process 0 of {self.count} failed at '{what}': {out['__error__']}")
+        return out
+
+    def _matching(self, posted, owner: int, what: str):
+        """The object of a posted (what, object): the processes must be at the same exchange, else the run's
+        processes took different paths (a bug: named, never silently mixed)."""
+        theirs, obj = posted
+        if theirs != what and not (isinstance(obj, dict) and "__error__" in obj):
+            raise ClusterError(f"process {owner} of {self.count} is at '{theirs}' where this process "
+                               f"({self.index}) is at '{what}': the processes took different paths")
+        return obj
+
+    def fail(self, what: str, error: str) -> None:
+        """Tells the others this process failed at `what` (their matching `allgather` raises, naming it);
+        best effort."""
+        if not self.multi:
+            return
+        try:
+            self.allgather(what, {"__error__": error})
+        except ClusterError:
+            pass
+
+    def barrier(self, what: str) -> None:
+        self.allgather(what, None)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def start_watchdog(self, on_failure: Callable[[str], None] | None = None) -> None:
+        """Beats every second and watches the others' beats (module docstring). `on_failure(message)` runs once
+        when a process goes silent (default: the error on stderr and exit status 1, at once)."""
+        if not self.multi or self._watchdog is not None:
+            return
+        self.on_failure = on_failure or _exit_named
+        self._watchdog = threading.Thread(target=self._watch, name="tiderl-heartbeat", daemon=True)
+        self._watchdog.start()
+
+    def stop_watchdog(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        client, me, timeout = self._client, self.index, self.spec.heartbeat_timeout_s
+        seen = {q: (None, time.monotonic()) for q in range(self.count) if q != me}
+        beat = 0
+        while not self._stop.is_set():
+            beat += 1
+            try:
+                client.key_value_set(f"tiderl/hb/{me}", str(beat), allow_overwrite=True)
+                for q, (last, since) in seen.items():
+                    value = client.key_value_try_get(f"tiderl/hb/{q}")
+                    if value == "done":  # it finished normally
+                        continue
+                    if value != last:
+                        seen[q] = (value, time.monotonic())
+                    elif time.monotonic() - since > timeout:
+                        return self._report(f"process {q} of {self.count} stopped: no heartbeat for "
+                                            f"{time.monotonic() - since:.0f} s (it died or hangs)")
+            except Exception as e:  # noqa: BLE001 - the coordinator (process 0) is gone, or q never beat yet
+                text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                if "NOT_FOUND" in text:  # a process that has not beaten yet: its start counts from ours
+                    pass
+                elif self._stop.is_set():
+                    return
+                elif me != 0:
+                    return self._report(f"process 0 of {self.count} (the coordinator) is gone ({text})")
+            self._stop.wait(1.0)
+
+    def _report(self, message: str) -> None:
+        if not self._stop.is_set() and self.on_failure is not None:
+            self.on_failure(message)
+
+    def finished(self) -> None:
+        """This process ends normally: the others' watchdogs stop watching it."""
+        if not self.multi:
+            return
+        self._stop.set()
+        try:
+            self._client.key_value_set(f"tiderl/hb/{self.index}", "done", allow_overwrite=True)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _exit_named(message: str) -> None:
+    print(f"error: multi-host run stopped: {message}; rerun the same command on every process to resume from "
+          f"the last checkpoint", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def local_share(count: int, what: str, processes: int) -> int:
+    """`count` split evenly over the processes (a config's global count: groups per step, device groups); a
+    ValueError naming the key when it does not divide."""
+    if count % processes:
+        raise ValueError(f"{what}={count} does not split evenly over {processes} processes")
+    return count // processes
+
+
+def shard_indices(n: int, index: int, count: int) -> list[int]:
+    """This process's share of n items (round robin: item i on process i % count)."""
+    return list(range(index, n, count))
+
+
+def merge_shards(shards: Sequence[Sequence[Any]]) -> list[Any]:
+    """The items of `shard_indices` shards back in their global order."""
+    count = len(shards)
+    n = sum(len(s) for s in shards)
+    return [shards[i % count][i // count] for i in range(n)]
