@@ -13,6 +13,7 @@ import sys
 
 from absl import app, flags
 
+from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.gguf_io import export_hf, load_gguf
 
@@ -20,6 +21,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "The .gguf file.")
 flags.DEFINE_string("out", None, "Output directory (created).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written weights.")
+distributed.define_flags()
 
 
 def main(argv):
@@ -37,4 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(distributed.single_process_main(main, "launch/export_hf.py"))

@@ -24,6 +24,7 @@ import time
 
 from absl import app, flags, logging
 
+from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax.engine.engine import Engine, EngineConfig, Request
 from tiderl_jax.engine.sampling import RequestError, SamplingParams
 from tiderl_jax.model import chat
@@ -50,6 +51,7 @@ flags.DEFINE_string("dtype", "float32", "Compute dtype: float32 or bfloat16.")
 flags.DEFINE_integer("max_seq_len", 4096, "Longest context the engine holds.")
 flags.DEFINE_integer("num_pages", 4096, "KV pages in the pool.")
 flags.DEFINE_string("json_out", None, "Write results here as JSON.")
+distributed.define_flags()
 
 
 def _fail(message: str):
@@ -153,4 +155,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(distributed.single_process_main(main, "launch/generate.py"))

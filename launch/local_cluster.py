@@ -103,7 +103,7 @@ def run(argv) -> int:
     signal.signal(signal.SIGTERM, forward)
 
     first_failure, failed_at = 0, None
-    while any(p.poll() is None for p in procs):
+    while [p.poll() for p in procs].count(None):  # every process polled (its returncode set) each time
         for i, p in enumerate(procs):
             if p.returncode not in (None, 0) and first_failure == 0:
                 first_failure, failed_at = p.returncode, time.monotonic()

@@ -15,6 +15,7 @@ import numpy as np
 from absl import app, logging
 from flax import nnx
 
+from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax import config as config_lib
 from tiderl_jax.model import chat
 from tiderl_jax.model.config import ConfigError
@@ -22,6 +23,7 @@ from tiderl_jax.model.generate import generate
 from tiderl_jax.model.sharding import data_sharding
 
 _CONFIG = config_lib.define_config_flag("configs/tiny.py")
+distributed.define_flags()
 
 
 def main(argv):
@@ -78,4 +80,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(distributed.single_process_main(main, "launch/sample.py"))

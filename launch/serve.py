@@ -25,6 +25,7 @@ from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax import config as config_lib  # noqa: E402
 from tiderl_jax.model.config import ConfigError  # noqa: E402
 
@@ -46,6 +47,7 @@ flags.DEFINE_integer("max_body_bytes", 4 << 20, "Largest request body.")
 flags.DEFINE_float("session_ttl_s", 600.0, "Idle sessions are ended after this long (their KV released).")
 flags.DEFINE_bool("chatml_tools", False, "Built-in ChatML only: list a request's tools in the system message.")
 flags.DEFINE_bool("warmup", False, "Compile every engine program before serving.")
+distributed.define_flags()
 
 
 def _fail(message: str, status: int = 2):
@@ -170,4 +172,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(distributed.single_process_main(main, "launch/serve.py"))

@@ -21,12 +21,14 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax import config as config_lib  # noqa: E402
 from tiderl_jax.model.config import ConfigError  # noqa: E402
 
 _CONFIG = config_lib.define_config_flag("configs/tiny_agentic.py")
 flags.DEFINE_string("out", "checkpoints/tiny_agentic_sft", "Directory of the HF checkpoint to write.")
 flags.DEFINE_bool("snapshots", False, "Also write the weights at every probe (OUT/snapshots/step_N).")
+distributed.define_flags()
 FLAGS = flags.FLAGS
 
 
@@ -91,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(distributed.single_process_main(main, "launch/sft.py"))

@@ -37,6 +37,7 @@ from absl import app, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax import config as config_lib  # noqa: E402
 from tiderl_jax.model.config import ConfigError  # noqa: E402
 from tiderl_jax.policies import bidirl  # noqa: E402
@@ -45,6 +46,7 @@ from tiderl_jax.sim import backend as sim_backend  # noqa: E402
 from tiderl_jax.sim import costs, workloads  # noqa: E402
 
 _CONFIG = config_lib.define_config_flag("configs/sim_tiderl_text.py")
+distributed.define_flags()
 
 
 def controller_config(cfg, mode: str, size: int, workload: workloads.Workload,
@@ -555,4 +557,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(distributed.single_process_main(main, "launch/simulate.py"))

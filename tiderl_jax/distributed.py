@@ -2,9 +2,9 @@
 on every one (docs/multihost.md).
 
 - **Start** (`define_flags`, `initialize`): every `launch/` entry point takes `--coordinator_address`,
-  `--num_processes`, `--process_id` and `--local_device_ids`, or leaves them unset where
-  `jax.distributed.initialize()` finds them itself (TPU VMs, Slurm, Open MPI); it is called before any JAX
-  work. On the CPU the collectives are gloo's (`launch/local_cluster.py` starts N processes on one machine).
+  `--num_processes`, `--process_id` and `--local_device_ids`, or leaves them unset where the environment says
+  it runs in a cluster (Slurm, Open MPI, GKE's TPU variables) and `jax.distributed.initialize()` reads it; it is
+  called before any JAX work. On a plain Cloud TPU VM slice (no such variables) pass the flags. On the CPU the collectives are gloo's (`launch/local_cluster.py` starts N processes on one machine).
 - **Control messages** (`Cluster`): small objects (decisions, signals, trajectories, checkpoint meta) go
   through the coordinator's key-value store, not through device collectives: no program is compiled per
   message shape, every wait has its own bounded timeout, and a timeout names the processes that did not
@@ -144,8 +144,8 @@ def initialize(spec: ClusterSpec = ClusterSpec()) -> "Cluster":
 
 
 def initialize_from_flags() -> "Cluster":
-    """`initialize` from the launch flags; bad flags, or a coordinator that cannot be reached, exit 2 with one
-    line."""
+    """`initialize` from the launch flags; bad flags exit 2 with one line. (A process that never joins is
+    JAX's to report: the others abort after its initialization timeout.)"""
     try:
         spec = spec_from_flags()
         return initialize(spec)
@@ -153,6 +153,35 @@ def initialize_from_flags() -> "Cluster":
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"error: multi-host start: {first}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def detected_process_id() -> int:
+    """This process's index in a detected cluster (Slurm, Open MPI, TPU VMs), 0 when there is none."""
+    env = os.environ
+    for key in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "CLOUD_TPU_TASK_ID", "TPU_WORKER_ID"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    return 0
+
+
+def single_process_main(main: Callable, script: str) -> Callable:
+    """The `main` of a launch script whose work is one process's (generate, serve, export, sft, simulate,
+    sample): it takes the multi-host flags like every script, and on a multi-host launch process 0 does the work
+    on its own devices while the others say so and exit 0 (no coordinator is needed for that). Bad flags exit 2
+    with one line."""
+    def wrapped(argv):
+        try:
+            spec = spec_from_flags()
+            check_spec(spec)
+        except ValueError as e:
+            print(f"error: multi-host flags: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        index = spec.process_id if spec.explicit else (detected_process_id() if detected_cluster() else 0)
+        if index > 0:
+            print(f"process {index}: {script} runs on process 0 only; nothing to do here", flush=True)
+            return None
+        return main(argv)
+    return wrapped
 
 
 def cluster() -> "Cluster":
@@ -168,6 +197,7 @@ class Cluster:
         self.index = index
         self.count = count
         self._seq = 0
+        self.exchange_s = 0.0  # wall seconds spent in exchanges (waiting for the others included)
         self._mine: list[str] = []  # keys this process wrote, deleted two exchanges later (all have read them)
         self._watchdog: threading.Thread | None = None
         self._stop = threading.Event()
@@ -238,6 +268,13 @@ class Cluster:
         """Every process's `obj`, in process order, on every process (one exchange; all processes call it)."""
         if not self.multi:
             return [obj]
+        t0 = time.perf_counter()
+        try:
+            return self._allgather(what, obj)
+        finally:
+            self.exchange_s += time.perf_counter() - t0
+
+    def _allgather(self, what: str, obj: Any) -> list[Any]:
         self._seq += 1
         base = f"tiderl/x{self._seq}"
         self._put(f"{base}/{self.index}", (what, obj))
@@ -255,6 +292,13 @@ class Cluster:
         """Process 0's `obj` on every process (the others' argument is ignored)."""
         if not self.multi:
             return obj
+        t0 = time.perf_counter()
+        try:
+            return self._broadcast(what, obj)
+        finally:
+            self.exchange_s += time.perf_counter() - t0
+
+    def _broadcast(self, what: str, obj: Any) -> Any:
         self._seq += 1
         key = f"tiderl/b{self._seq}"
         if self.primary:

@@ -28,21 +28,29 @@ class Borrowing:
             return None
         return sum(n for _, n in pts[1:]) / (pts[-1][0] - pts[0][0])
 
-    async def _borrow(self, signals: bidirl.BorrowSignals):
-        """Asks `bidirl.decide_borrow`; on yes, the backend switches the devices over. Returns what
-        `_return_borrowed` needs, or None."""
-        d = bidirl.decide_borrow(signals)
+    async def _borrow(self, what: str, signals: bidirl.BorrowSignals | None):
+        """Asks `bidirl.decide_borrow` (None signals: nothing to borrow); on yes, the backend switches the devices
+        over. Returns what `_return_borrowed` needs, or None. Across processes it is process 0's decision from
+        its signals (every process calls this at the same point of the step), and every process lends."""
+        d = self._decided(f"BiDiRL {what} at step {self.step + 1}",
+                          lambda: None if signals is None else bidirl.decide_borrow(signals))
+        if d is None:
+            return None
         if not d.borrow:
             self.borrows_refused += 1
-            log.debug("BiDiRL: %s does not borrow (%s; remaining %.2fs)", d.borrower, d.reason, signals.remaining_s)
+            log.debug("BiDiRL: %s does not borrow (%s)", d.borrower, d.reason)
             return None
         t0 = self.clock()
         await self.backend.lend(d.lender, d.borrower, d.devices)
         # switch_in_s / switch_out_s: as measured here (wall on the backend's clock); predicted_*: what was weighed
         record = dict(step=self.step, borrower=d.borrower, devices=d.devices, predicted_gain_s=d.gain_s,
-                      predicted_cost_s=d.cost_s, predicted_switch_in_s=signals.switch_in_s,
-                      predicted_switch_out_s=signals.switch_out_s, remaining_s=signals.remaining_s, start=t0,
+                      predicted_cost_s=d.cost_s, predicted_switch_in_s=getattr(signals, "switch_in_s", 0.0),
+                      predicted_switch_out_s=getattr(signals, "switch_out_s", 0.0),
+                      remaining_s=getattr(signals, "remaining_s", 0.0), start=t0,
                       switch_in_s=self.clock() - t0, rate_before=self._arrival_rate())
+        if signals is None:  # process 0 decided (multi-host): this process's own view was not weighed
+            record.update(predicted_switch_in_s=float("nan"), predicted_switch_out_s=float("nan"),
+                          remaining_s=float("nan"))
         log.info("BiDiRL: %s borrows %d %s device(s) (%s)", d.borrower, d.devices, d.lender, d.reason)
         return record
 
@@ -65,10 +73,10 @@ class Borrowing:
         missing = self.cfg.batch_samples - have
         rate = self._arrival_rate()
         if missing <= 0 or not rate or self.pool is None:
-            return None
+            return await self._borrow("rollout borrow", None)
         costs = self.backend.switch_costs(bidirl.TRAIN, bidirl.ROLLOUT)
         remaining = missing / rate
-        return await self._borrow(bidirl.BorrowSignals(
+        return await self._borrow("rollout borrow", bidirl.BorrowSignals(
             borrower=bidirl.ROLLOUT, remaining_s=remaining, own_devices=len(self.pool.devices_of("rollout")),
             idle_devices=len(self.pool.devices_of("train")), idle_for_s=remaining,
             switch_in_s=costs["switch_in_s"], switch_out_s=costs["switch_out_s"],
@@ -78,13 +86,14 @@ class Borrowing:
         """The trainer may borrow rollout devices that have no task while admission is blocked by the
         staleness bound (they stay idle until this step's version is published)."""
         remaining = self._timings.get("train_own", 0.0)
-        if not self._producer_blocked or remaining <= 0 or self.pool is None:
-            return None
-        idle = self.backend.idle_devices(bidirl.ROLLOUT)
+        can = self._producer_blocked and remaining > 0 and self.pool is not None
+        idle = self.backend.idle_devices(bidirl.ROLLOUT) if can else 0
+        if self.cluster.multi:  # every process lends as many: the fewest any has idle
+            idle = min(self.cluster.allgather(f"BiDiRL idle rollout devices at step {self.step + 1}", idle))
         if idle <= 0:
-            return None
+            return await self._borrow("train borrow", None)
         costs = self.backend.switch_costs(bidirl.ROLLOUT, bidirl.TRAIN)
-        return await self._borrow(bidirl.BorrowSignals(
+        return await self._borrow("train borrow", bidirl.BorrowSignals(
             borrower=bidirl.TRAIN, remaining_s=remaining, own_devices=len(self.pool.devices_of("train")),
             idle_devices=idle, idle_for_s=math.inf, switch_in_s=costs["switch_in_s"],
             switch_out_s=costs["switch_out_s"], merge_s=costs["merge_s"],

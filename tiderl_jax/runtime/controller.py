@@ -739,7 +739,9 @@ class Controller(Borrowing, Multihost):
                     ready_groups=len(self.ready), running=self.running, discarded=self.discarded)
                 await self._ers_boundary(waited, step_time, ras, hol, int(out.get("tokens", 0)), counts["ready_volume"])
                 await self._ra2p_boundary(ras, step_time, int(out.get("tokens", 0)))
+                t_sync = self.clock()
                 await self._publish(self.version + 1)
+                t_sync = self.clock() - t_sync
                 self.version += 1  # only now: the producer admits the next batch on the new weights
                 self._wake.set()
                 lags = health.version_lags(trajs, self.version - 1)
@@ -755,6 +757,7 @@ class Controller(Borrowing, Multihost):
                     ra2p_cost_decoupled=decision.cost_decoupled if decision else float("nan"),
                     rollout_devices=self.metrics.devices.get("rollout", 0),
                     compile_total_s=self._compile_seconds(),  # so a window's program loads can be read off
+                    sync_s=t_sync, exchange_total_s=self.cluster.exchange_s,  # multi-host: docs/multihost.md
                     **self._ers_log()))
                 if decision is not None:
                     log.info("RA2P: %s (colocated %.2fs, decoupled %.2fs)", decision.mode,

@@ -43,6 +43,7 @@ import time
 
 import jax
 
+from tiderl_jax import distributed
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.runtime.pool import group_mesh
 
@@ -187,6 +188,10 @@ class HotSwitches:
         trainer = self.trainer
         home_mesh, home_programs = trainer.mesh, trainer._programs
         devices = tuple(self.pool.devices_of("train")) + tuple(extra)
+        if self.pool.hosts is not None:  # across processes: every process's train and lent devices, process-major
+            by_id = {d.id: d for d in jax.devices()}
+            ids = distributed.cluster().allgather("BiDiRL: the devices lent to the trainer", [d.id for d in devices])
+            devices = tuple(by_id[i] for host in ids for i in host)
         mesh = group_mesh(devices, self.tensor)
         self._lent = dict(paused=chosen, home_mesh=home_mesh, home_programs=home_programs, groups=gids)
         try:

@@ -11,11 +11,14 @@ Every process runs the controller. What each one owns and what they share:
   global train mesh (fsdp across the processes' train devices, tensor within a host), every process feeding the
   same arrays. The weight sync then moves the new weights in two phases: gathered within the train devices,
   then copied onto each host's own replicas (`model.sharding.local_replica`).
-- **Decisions.** Those that read signals (RA2P's mode and device moves, ERS's moves) are taken on process 0,
-  from the counts gathered from every process (ready groups and samples summed, the trainer's wait and the
+- **Decisions.** Those that read signals (RA2P's mode and device moves, ERS's moves, BiDiRL's borrows) are taken
+  on process 0, from the counts gathered from every process (ready groups and samples summed, the trainer's wait and the
   head-of-line latency their maximum) and its own lane timings (every host's lanes have the same shape), and
-  broadcast: every process applies process 0's decision, whatever its own signals say. The checkpoint steps and
-  the step budget are the config's, the same everywhere.
+  broadcast: every process applies process 0's decision, whatever its own signals say (a trainer borrow lends
+  as many idle rollout devices on every process: the fewest any has; the larger train mesh spans them all).
+  Admission is each process's over its own share (the capacity rule on its own counts; the policy version is
+  the same everywhere). The checkpoint steps and the step budget are the config's, the same everywhere; a process
+  whose run must stop (`_check_run`) says so at the next exchange, and every process stops, naming it.
 - **State.** A checkpoint is written by every process (orbax; process 0 writes the JSON meta), its meta holding
   every process's cursor, ready buffer, groups in flight and ledger; a resume with the same process count takes
   back its own. Metrics, plots and TensorBoard are process 0's, with the gathered counts in them.
@@ -44,9 +47,6 @@ def local_config(cfg, processes: int):
     not divide)."""
     if processes == 1:
         return cfg
-    if cfg.bidirl:
-        raise ConfigError("controller.bidirl lends devices within a step, which a multi-process run does not do "
-                          "yet (its train mesh spans the processes); run it on one process")
     changes = {}
     for key in SHARED_COUNTS:
         value = getattr(cfg, key)
