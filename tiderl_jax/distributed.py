@@ -3,8 +3,8 @@ on every one (docs/multihost.md).
 
 - **Start** (`define_flags`, `initialize`): every `launch/` entry point takes `--coordinator_address`,
   `--num_processes`, `--process_id` and `--local_device_ids`, or leaves them unset where the environment says
-  it runs in a cluster (Slurm, Open MPI, GKE's TPU variables) and `jax.distributed.initialize()` reads it; it is
-  called before any JAX work. On a plain Cloud TPU VM slice (no such variables) pass the flags. On the CPU the collectives are gloo's (`launch/local_cluster.py` starts N processes on one machine).
+  it runs in a cluster (Slurm, Open MPI, a Cloud TPU VM or GKE TPU slice: `detected_cluster`) and
+  `jax.distributed.initialize()` reads it; it is called before any JAX work. On the CPU the collectives are gloo's (`launch/local_cluster.py` starts N processes on one machine).
 - **Control messages** (`Cluster`): small objects (decisions, signals, trajectories, checkpoint meta) go
   through the coordinator's key-value store, not through device collectives: no program is compiled per
   message shape, every wait has its own bounded timeout, and a timeout names the processes that did not
@@ -82,16 +82,21 @@ def spec_from_flags() -> ClusterSpec:
 
 
 def detected_cluster() -> str | None:
-    """The cluster environment `jax.distributed.initialize()` reads by itself, when this process runs in one with
-    more than one process (None otherwise: a single process needs no coordinator)."""
+    """The cluster environment `jax.distributed.initialize()` reads by itself, when this process runs in one:
+    Slurm or Open MPI with more than one task, or a Cloud TPU VM / GKE TPU slice (JAX's own detection, which
+    reads the TPU metadata); None otherwise (a single process needs no coordinator)."""
     env = os.environ
     if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env:
         return "slurm"
     if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
         return "mpi"
-    hosts = env.get("TPU_WORKER_HOSTNAMES", "") or env.get("MEGASCALE_COORDINATOR_ADDRESS", "")
-    if "," in hosts or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
-        return "tpu"
+    try:
+        from jax._src.clusters import cloud_tpu_cluster  # JAX's detection (no public accessor)
+        for kind in (cloud_tpu_cluster.GkeTpuCluster, cloud_tpu_cluster.GceTpuCluster):
+            if kind.is_env_present():
+                return "tpu"
+    except Exception:  # noqa: BLE001 - an older or newer JAX without these: flags then
+        pass
     return None
 
 

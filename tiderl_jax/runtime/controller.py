@@ -61,7 +61,7 @@ from tiderl_jax.runtime import health
 from tiderl_jax.runtime.borrowing import Borrowing
 from tiderl_jax.runtime.controller_config import MODES, ControllerConfig  # noqa: F401 (re-exported)
 from tiderl_jax.runtime.metrics import RunMetrics
-from tiderl_jax.runtime.multihost import Multihost, local_config
+from tiderl_jax.runtime.multihost import Multihost, local_config, process_devices
 from tiderl_jax.runtime.pool import Backend, DevicePool, split_devices
 
 if TYPE_CHECKING:  # the JAX side is imported only when a JaxBackend is built (the simulator needs none)
@@ -133,7 +133,7 @@ class Controller(Borrowing, Multihost):
             pool = split_devices(devices, mode=config.mode, group_size=config.device_group_size,
                                  rollout=config.rollout_groups, ref=config.ref_groups,
                                  train=config.train_groups, tensor=config.tensor,
-                                 hosts=_hosts() if self.cluster.multi else None)
+                                 hosts=process_devices() if self.cluster.multi else None)
             backend = JaxBackend(model, tokenizer, kv_mode=config.kv_mode, pool=pool, engine_config=engine_config,
                                  rollout_config=rollout_config, trainer_config=trainer_config,
                                  rules=rules or DEFAULT_RULES,
@@ -797,14 +797,3 @@ class Controller(Borrowing, Multihost):
         if hasattr(self._make_env, "close"):  # an environment process pool
             self._make_env.close()
 
-
-def _hosts() -> tuple:
-    """Every process's devices, process by process (a multi-process pool's view of the others: its train mesh
-    spans them)."""
-    import jax
-    hosts = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-             for p in range(jax.process_count())]
-    if len({len(h) for h in hosts}) != 1:
-        raise ConfigError(f"the processes have different device counts ({[len(h) for h in hosts]}); every host "
-                          f"must drive as many devices as the others")
-    return tuple(tuple(h) for h in hosts)

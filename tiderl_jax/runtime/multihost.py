@@ -59,6 +59,18 @@ def local_config(cfg, processes: int):
     return dataclasses.replace(cfg, **changes)
 
 
+def process_devices() -> tuple:
+    """Every process's devices, process by process (a multi-process pool's view of the others: its train mesh
+    spans them)."""
+    import jax
+    hosts = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+             for p in range(jax.process_count())]
+    if len({len(h) for h in hosts}) != 1:
+        raise ConfigError(f"the processes have different device counts ({[len(h) for h in hosts]}); every host "
+                          f"must drive as many devices as the others")
+    return tuple(tuple(h) for h in hosts)
+
+
 class Multihost:
     """The controller's exchanges with the other processes (module docstring). Single-process: no-ops."""
 
