@@ -406,6 +406,12 @@ def _main(cfg):
         where = phases.current
         if where == "RL":
             _count_lost(controller, state)
+        if cluster.multi:  # a save is collective: the processes were interrupted wherever each was
+            latest = controller.checkpointer.latest_step() if controller.checkpointer is not None else None
+            print(f"\ninterrupted in {where} at RL step {controller.step}/{ccfg.steps}: across processes nothing "
+                  f"new is saved; the last checkpoint (step {latest}) in {cfg.logdir} resumes with the same "
+                  f"command on every process", flush=True)
+            os._exit(130)
         print(f"\ninterrupted in {where} at RL step {controller.step}/{ccfg.steps}: saved in {cfg.logdir}; "
               f"run the same command to resume", flush=True)
         sys.exit(130)

@@ -14,6 +14,7 @@ every sharded contraction (docs/architecture.md, Conventions).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable, Mapping, Sequence
 
@@ -216,11 +217,18 @@ def local_replica(tree):
     spanning = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
     if not spanning:
         return tree
-    whole = [NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in spanning]
-    gathered = jax.jit(lambda xs: xs, out_shardings=whole)([leaves[i] for i in spanning])
+    whole = tuple(NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in spanning)
+    gathered = _gather(whole)([leaves[i] for i in spanning])
     for i, x in zip(spanning, gathered):
         leaves[i] = x.addressable_data(0)
     return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.lru_cache(maxsize=64)
+def _gather(shardings: tuple):
+    """One jitted all-gather per target layout (a new function per call would trace and look up its program
+    every time: measured, most of a cross-process weight sync's seconds)."""
+    return jax.jit(lambda xs: xs, out_shardings=list(shardings))
 
 
 def host_value(x) -> np.ndarray:
