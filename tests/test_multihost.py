@@ -51,8 +51,8 @@ def test_a_config_is_split_into_equal_shares_and_what_does_not_divide_is_named()
     assert local_config(cfg, 1) is cfg
     with pytest.raises(ConfigError, match=r"controller.rollout_groups=4 does not split evenly over 8"):
         local_config(ControllerConfig(**{**vars(cfg), "groups_per_step": 8, "max_concurrent": 64}), 8)
-    with pytest.raises(ConfigError, match="bidirl"):
-        local_config(ControllerConfig(**{**vars(cfg), "bidirl": True, "rollout_replicas": "group"}), 2)
+    borrowing = local_config(ControllerConfig(**{**vars(cfg), "bidirl": True, "rollout_replicas": "group"}), 2)
+    assert borrowing.bidirl and borrowing.rollout_groups == 2  # BiDiRL across processes: every process lends
     # sync has no device groups: only the work is split
     sync = local_config(ControllerConfig(mode="sync", groups_per_step=4, group_size=2, max_concurrent=8), 4)
     assert (sync.groups_per_step, sync.max_concurrent) == (1, 2)
