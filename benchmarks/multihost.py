@@ -1,6 +1,10 @@
 """Multi-host overhead: the same RL steps on 1, 2 and 4 processes over the same 8 faked CPU devices.
 
-    python benchmarks/multihost.py [--quick] [--json out.json]
+    python benchmarks/multihost.py [--quick] [--json out.json] [--replicas group,mesh]
+
+`--replicas` runs every process count for each rollout layout given (`controller.rollout_replicas`; default
+mesh): on the CPU under jax.distributed a mesh engine's collectives between its own process's devices go through
+gloo, which an engine per device (`group`) avoids (docs/multihost.md, Overhead).
 
 Each process count runs the main job as `python launch/local_cluster.py -n N -- launch/train.py ...` (also
 N = 1, so the launch path is the same), with its own fresh `--config.logdir` in a temporary directory, the
