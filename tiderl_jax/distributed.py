@@ -133,9 +133,7 @@ def initialize(spec: ClusterSpec = ClusterSpec()) -> "Cluster":
     if not spec.explicit and detected is None:
         _CLUSTER = Cluster(spec, 0, 1)
         return _CLUSTER
-    if jax.config.jax_platforms in (None, "") and os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") or \
-            os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU's collectives across processes
     heartbeat = max(int(spec.heartbeat_timeout_s * _JAX_HEARTBEAT_FACTOR), 10)
     if detected is not None:
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
@@ -325,13 +323,14 @@ class Cluster:
         return obj
 
     def fail(self, what: str, error: str) -> None:
-        """Tells the others this process failed at `what` (their matching `allgather` raises, naming it);
-        best effort."""
+        """Tells the others this process failed at `what`: posted as its part of the next exchange, whose
+        `allgather` raises on the others, naming it. It does not wait for them (they may be failing too)."""
         if not self.multi:
             return
+        self._seq += 1
         try:
-            self.allgather(what, {"__error__": error})
-        except ClusterError:
+            self._put(f"tiderl/x{self._seq}/{self.index}", (what, {"__error__": error}))
+        except Exception:  # noqa: BLE001 - best effort: the heartbeat names this process once it exits
             pass
 
     def barrier(self, what: str) -> None:

@@ -214,6 +214,7 @@ class Controller(Borrowing, Multihost):
         self._held_since: float | None = None  # when the hold in progress began
         self.ers_economics: ers.MoveEconomics | None = None  # what ERS weighed at the last boundary
         self.health = health.Monitor()  # per-update training health; warns when the run is not learning
+        self._ledger_total = None  # every process's ledger summed, at the end of `run`
 
     @property
     def discarded(self) -> int:
@@ -617,16 +618,15 @@ class Controller(Borrowing, Multihost):
         """RA2P's devices (`ra2p.repartition`, `ra2p.decide_repartition`): a reference group joins the actor when
         colocated on more devices beats the reference apart, and one is carved out of the actor's (up to the config's
         `ref_groups`) when decoupling pays; with ERS's patience, cooldown, noise floor and move costs."""
-        self._step_time = step_time
         if self.cfg.mode != "tiderl" or self.pool is None or self._moved_this_boundary():
             self.ra2p_history = ra2p.RepartitionHistory()
             return
-        move, self.ra2p_history = self._decided("RA2P devices", lambda: self._ra2p_repartition(ras))
+        move, self.ra2p_history = self._decided("RA2P devices", lambda: self._ra2p_repartition(ras, step_time))
         if move is not None:
             await self._apply_move(ers.Move(move.from_role, move.to_role, move.mode, move.reason, move.gain_s,
                                             move.cost_s), tokens, "RA2P")
 
-    def _ra2p_repartition(self, ras: int):
+    def _ra2p_repartition(self, ras: int, step_time: float):
         """RA2P's device move at this boundary and its history (`_ra2p_boundary`)."""
         signals = self._ra2p_signals(ras)
         if signals is None:
@@ -636,7 +636,7 @@ class Controller(Borrowing, Multihost):
         default, per_move = self._move_costs()
         last_step, last_to = self._last_move
         return ra2p.decide_repartition(
-            p, self.ra2p_history, ref_groups=f, mode_now=self.ra2p_mode, step_time_s=self._step_time,
+            p, self.ra2p_history, ref_groups=f, mode_now=self.ra2p_mode, step_time_s=step_time,
             horizon_steps=self.cfg.steps - self.step,
             cost_s=per_move.get((p.from_role, p.to_role), default) if p is not None else default,
             min_gain_fraction=ers.ERSConfig().min_gain_fraction, patience=self.cfg.ers_patience,
@@ -781,7 +781,7 @@ class Controller(Borrowing, Multihost):
                  discarded=self.discarded, moves=len(self.moves), ers_refused=self.ers_refused,
                  ers_refusals=dict(self.ers_refusals),
                  borrows=len(self.borrows), borrows_refused=self.borrows_refused,
-                 syncs_failed=self.syncs_failed, ledger=dict(getattr(self, "_ledger_total", None) or self.ledger),
+                 syncs_failed=self.syncs_failed, ledger=dict(self._ledger_total or self.ledger),
                  admission_held_s=self._held_by_staleness_s + (self.clock() - self._held_since
                                                                if self._held_since is not None else 0.0))
         return s

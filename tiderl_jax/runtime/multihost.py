@@ -80,7 +80,7 @@ class Multihost:
         return local * c.count + c.index
 
     async def _exchange_batch(self, local: list, waited: float, ras: int, hol: float):
-        """Every process's groups of this update (in task order) and the gathered signals: the trainer's wait and
+        """Every process's groups of this update (`_train_step` puts them in task order) and the gathered signals: the trainer's wait and
         the head-of-line latency are the longest, the ready groups at start summed."""
         from tiderl_jax.runtime.controller import _Group
         for g in local:  # decoupled ref scores travel with the trajectories
@@ -91,7 +91,7 @@ class Multihost:
         mine = {g.gid: g for g in local}
         batch = [mine.get(gid) or _Group(gid, task, list(trajs), arrived=self.clock())
                  for part in parts for gid, task, trajs in part["groups"]]
-        return (sorted(batch, key=lambda g: g.gid), max(p["waited"] for p in parts), sum(p["ras"] for p in parts),
+        return (batch, max(p["waited"] for p in parts), sum(p["ras"] for p in parts),
                 max(p["hol"] for p in parts))
 
     def _gathered_counts(self, what: str, **counts) -> dict:
