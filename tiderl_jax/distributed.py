@@ -347,9 +347,6 @@ class Cluster:
         self._watchdog = threading.Thread(target=self._watch, name="tiderl-heartbeat", daemon=True)
         self._watchdog.start()
 
-    def stop_watchdog(self) -> None:
-        self._stop.set()
-
     def _watch(self) -> None:
         client, me, timeout = self._client, self.index, self.spec.heartbeat_timeout_s
         seen = {q: (None, time.monotonic()) for q in range(self.count) if q != me}
@@ -396,14 +393,6 @@ def _exit_named(message: str) -> None:
     print(f"error: multi-host run stopped: {message}; rerun the same command on every process to resume from "
           f"the last checkpoint", file=sys.stderr, flush=True)
     os._exit(1)
-
-
-def local_share(count: int, what: str, processes: int) -> int:
-    """`count` split evenly over the processes (a config's global count: groups per step, device groups); a
-    ValueError naming the key when it does not divide."""
-    if count % processes:
-        raise ValueError(f"{what}={count} does not split evenly over {processes} processes")
-    return count // processes
 
 
 def shard_indices(n: int, index: int, count: int) -> list[int]:

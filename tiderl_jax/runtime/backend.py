@@ -34,7 +34,7 @@ from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.engine.engine import Engine, EngineConfig
 from tiderl_jax.model.decoder import Decoder
-from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, local_replica, make_mesh, place_copy
+from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, local_replica, place_copy
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.policies import routing
 from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
@@ -68,9 +68,9 @@ class JaxBackend(HotSwitches):
         self.devices = list(devices or (jax.local_devices() if self.multi else jax.devices()))
         graphdef, params = nnx.split(model)
         if pool is None:  # one mesh for everything; nothing moves
-            roll_mesh = train_mesh = _mesh(self.devices, tensor)
+            roll_mesh = train_mesh = group_mesh(self.devices, tensor)
             if self.multi:  # the trainer over every process's devices, each process's engine over its own
-                train_mesh = _mesh(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)), tensor)
+                train_mesh = group_mesh(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)), tensor)
             ref_mesh = None
         else:
             roll_mesh, train_mesh, ref_mesh = (pool.mesh(r) for r in ("rollout", "train", "ref"))
@@ -326,12 +326,6 @@ class JaxBackend(HotSwitches):
                 engine.update_params(params, version)
             else:
                 engine.update_params(place_copy(params, _shardings(engine.runner.params)), version)
-
-
-def _mesh(devices, tensor: int):
-    n = len(devices)
-    t = tensor if n % tensor == 0 else 1
-    return make_mesh({"data": 1, "fsdp": n // t, "tensor": t}, list(devices))
 
 
 def _shardings(tree):
