@@ -404,15 +404,16 @@ class RolloutRunner:
         whole context and keeps its KV; a later one resumes on the replica holding it, prefilling only the
         observation. Request-level: every turn submits the whole context (the prefix cache may hit)."""
         context, images = list(traj.tokens), list(traj.images)  # absolute offsets
+        draft_key = ("task", s.task.task_id)  # speculative drafts from the task's group and earlier epochs
         ctb_mode = self.config.mode == "ctb"
         if ctb_mode:
             def submit(eng: Engine) -> int:
                 return eng.submit(Request(context, sampling, keep_kv=True, images=images,
                                           priority=ctb.task_priority(self._signals(s), self.config.weights),
-                                          sample_offset=sum(traj.loss_mask)))
+                                          sample_offset=sum(traj.loss_mask), draft_key=draft_key))
         else:
             def submit(eng: Engine) -> int:
-                return eng.submit(Request(context, sampling, images=images))
+                return eng.submit(Request(context, sampling, images=images, draft_key=draft_key))
         obs, obs_images = s.pending_obs, s.pending_images
 
         def resume_here(eng: Engine, handle: int) -> int:

@@ -27,17 +27,25 @@ class EngineConfig:
     # two (decode's attention span 1.5x apart); 4 = powers of four everywhere (decode spans 2x apart):
     # about a quarter of the programs to compile, for more padding per call (a short job's choice).
     bucket_growth: int = 2
+    # WAR's model-free speculative decoding (engine/speculation.py): "off"; "on" (every decode step at a batch of
+    # at most spec_max_batch); "auto" (policies.war.use_speculation per step, on this engine's measured step
+    # times and acceptance). Its verify programs are compiled by `warmup` only when it is not "off".
+    speculation: str = "off"
+    spec_tokens: int = 4  # drafted tokens verified per step and sequence
+    spec_max_batch: int = 16  # WAR: speculation only at effective batches up to this (the paper's ~16)
 
     def __post_init__(self):
         if self.on_update not in ("continue", "abort"):
             raise ValueError(f"on_update={self.on_update!r} is not 'continue' or 'abort'")
         if self.prefill_policy not in ("static", "ppas"):
             raise ValueError(f"prefill_policy={self.prefill_policy!r} is not 'static' or 'ppas'")
+        if self.speculation not in ("off", "on", "auto"):
+            raise ValueError(f"speculation={self.speculation!r} is not 'off', 'on' or 'auto'")
         from tiderl_jax.engine.paged_attention import PAGED_ATTENTION
         if self.attention_impl not in PAGED_ATTENTION:
             raise ValueError(f"attention_impl={self.attention_impl!r} is not one of {sorted(PAGED_ATTENTION)}")
         for name in ("page_size", "num_pages", "max_seq_len", "max_running", "prefill_chunk", "max_prefill_rows",
-                     "prefill_budget", "decode_steps"):
+                     "prefill_budget", "decode_steps", "spec_tokens", "spec_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.bucket_growth not in (2, 4):

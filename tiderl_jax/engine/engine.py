@@ -46,6 +46,7 @@ from tiderl_jax.engine.config import EngineConfig  # noqa: F401 (re-exported)
 from tiderl_jax.engine.kv_pages import OutOfPages, PagePool, block_key
 from tiderl_jax.engine.runner import ModelRunner, bucket, half_pow2_buckets, pow2_buckets
 from tiderl_jax.engine.requests import Request, SequenceOutput, Status, _Seq  # noqa: F401 (re-exported)
+from tiderl_jax.engine.speculation import SpeculativeDecoding
 from tiderl_jax.engine.sampling import RequestError, SamplingParams, stop_matrix
 from tiderl_jax.model import vision
 from tiderl_jax.model.decoder import Decoder
@@ -54,7 +55,7 @@ from tiderl_jax.policies.preemption import PreemptionCandidate, can_admit, choos
 from tiderl_jax.policies.prefill_budget import PrefillSignals, choose_prefill_budget
 
 
-class Engine:
+class Engine(SpeculativeDecoding):
     """submit / step / pause / resume / abort / update_params / stats over one model replica."""
 
     def __init__(self, model: Decoder, config: EngineConfig = EngineConfig(), *, version: int = 0):
@@ -82,7 +83,9 @@ class Engine:
         self._compile_s_before_move = 0.0  # compile seconds of runners replaced by `move_to`
         self._counters = dict(steps=0, prefill_calls=0, decode_calls=0, prompt_tokens=0,
                               prompt_tokens_cached=0, prefill_tokens_computed=0, decode_tokens=0,
-                              preemptions=0, evictions=0, requests=0, rejected=0, param_updates=0)
+                              preemptions=0, evictions=0, requests=0, rejected=0, param_updates=0,
+                              spec_steps=0, spec_rows=0, spec_drafted=0, spec_emitted=0)
+        self._init_speculation()
         self._t0 = time.perf_counter()
 
     # ================================================================== public API
@@ -99,7 +102,11 @@ class Engine:
         if n < 1:
             raise RequestError(f"group size n={n} must be >= 1")
         leader = self._add(request, parent=None, seed_offset=0)
-        return [leader] + [self._add(request, parent=leader, seed_offset=i) for i in range(1, n)]
+        followers = [self._add(request, parent=leader, seed_offset=i) for i in range(1, n)]
+        for h in followers:  # one suffix index for the group; the shared prompt indexed once
+            f = self._seqs[h]
+            f.draft_key, f.indexed = self._seqs[leader].draft_key, len(f.tokens)
+        return [leader] + followers
 
     def pause(self, handle: int) -> None:
         """Stops generating for `handle` and frees its slot; its KV pages stay (it can resume)."""
@@ -289,6 +296,7 @@ class Engine:
             by_status[s.status.value] += 1
         c.update({f"num_{k}": v for k, v in by_status.items()})
         c["prefix_hit_rate"] = c["prompt_tokens_cached"] / max(1, c["prompt_tokens"])
+        c["spec_acceptance_length"] = c["spec_emitted"] / max(1, c["spec_rows"])  # tokens per sequence and step
         c.update(pages_total=self.pool.num_pages - 1, pages_used=self.pool.num_used,
                  pages_cached=self.pool.num_cached, pages_free=self.pool.num_free - self.pool.num_cached,
                  prefix_evictions=self.pool.evictions, compilations=self.runner.compile_count(),
@@ -307,6 +315,7 @@ class Engine:
                         for rows in self._row_buckets for pages in self._page_buckets]
             programs += [("prefill", (rows, width), (rows, pages)) for rows in self._prefill_row_buckets
                          for width in self._chunk_buckets for pages in self._prefill_page_buckets]
+            programs += self._spec_programs()
         for key in programs:
             if key[0] == "decode":
                 (rows,), (_, pages), steps = key[1:]
@@ -321,6 +330,9 @@ class Engine:
                 self.runner.prefill(np.zeros((rows, width), np.int32), np.zeros((rows, pages), np.int32), z, z,
                                     np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z,
                                     filtered=False, **self._image_inputs([], rows, width))
+            elif key[0] == "verify":
+                (rows, width), (_, pages) = key[1:]
+                self._warm_verify(rows, width, pages)
         return time.perf_counter() - t0
 
     def programs(self) -> frozenset:
@@ -330,7 +342,7 @@ class Engine:
     def num_programs(self) -> int:
         """Size of the shape-bucket grid `warmup` compiles."""
         return (len(self._page_buckets) * len(self._row_buckets) + len(self._prefill_page_buckets)
-                * len(self._prefill_row_buckets) * len(self._chunk_buckets))
+                * len(self._prefill_row_buckets) * len(self._chunk_buckets) + len(self._spec_programs()))
 
     def step(self) -> list[int]:
         """One scheduling round; returns the handles whose turn ended (finished or paused)."""
@@ -426,6 +438,7 @@ class Engine:
                    keep_kv=request.keep_kv, arrival=self._arrival(), parent=parent,
                    submit_time=time.perf_counter(), num_sampled=request.sample_offset,
                    images=sorted(request.images, key=lambda im: im.offset))
+        seq.draft_key = request.draft_key if request.draft_key is not None else ("sequence", seq.id)
         self._append(seq, prompt, generated=False)
         self._seqs[seq.id] = seq
         self._next_id += 1
@@ -694,17 +707,20 @@ class Engine:
                          key=lambda s: (-s.priority, s.arrival))
         if not running:
             return []
+        t0 = time.perf_counter()
+        spec = self._speculate(min(len(running), self.config.max_running))  # WAR: speculation.py
+        horizon = 1 + self.config.spec_tokens if spec else steps
         batch = []
         for s in running:
             if s.status != Status.RUNNING:  # preempted for an earlier row of this batch
                 continue
-            grow = min(steps, s.sampling.max_new_tokens - s.turn_generated,
+            grow = min(horizon, s.sampling.max_new_tokens - s.turn_generated,
                        self.config.max_seq_len - len(s.tokens))
             if self._ensure_pages(s, len(s.tokens) - 1 + grow):
                 batch.append(s)
             elif self._ensure_pages(s, len(s.tokens)):
                 batch.append(s)
-                steps = 1
+                steps, spec = 1, False
             else:  # cannot even take one more token: give way and recompute later
                 self._drop_kv(s)
                 s.status = Status.WAITING
@@ -712,6 +728,8 @@ class Engine:
         batch = [s for s in batch if s.status == Status.RUNNING][: self.config.max_running]
         if not batch:
             return []
+        if spec:
+            return self._run_verify(batch, t0)
         rows = bucket(len(batch), self._row_buckets)
         pad = rows - len(batch)
         tokens = np.asarray([s.tokens[-1] for s in batch] + [0] * pad, np.int32)
@@ -727,21 +745,28 @@ class Engine:
         tok, lps, lpm, ok = self.runner.decode(
             tokens, self._page_table(batch, rows), starts, live, remaining, stops, temp, top_k,
             top_p, seeds, index, min(steps, max_steps), max_steps=max_steps, filtered=filtered)
+        compiled = self.runner.compiled
         self._counters["decode_calls"] += 1
-        ended = []
         now = time.perf_counter()
-        for i, s in enumerate(batch):
-            for j in range(max_steps):
-                if not ok[j, i]:
-                    break
-                s.num_computed = len(s.tokens)  # the token fed at this step is now cached
-                self._counters["decode_tokens"] += 1
-                if self._accept(s, int(tok[j, i]), float(lps[j, i]), float(lpm[j, i]), now):
-                    ended.append(s.id)
-                    break
-            if s.status == Status.RUNNING:
-                self._trim_pages(s)
-            self._register_blocks(s)
+        ended = [s.id for i, s in enumerate(batch)
+                 if self._emit(s, tok[ok[:, i], i], lps[ok[:, i], i], lpm[ok[:, i], i], now)]
+        if not compiled:  # seconds per step, host work included (WAR's switch compares it to speculation)
+            self.spec_switch.record_decode(len(batch), (time.perf_counter() - t0) / min(steps, max_steps))
+        return ended
+
+    def _emit(self, s: _Seq, tokens, lps, lpm, now: float) -> bool:
+        """Appends a decode call's tokens for `s` (each fed token's KV is now cached) until its turn ends;
+        returns the pages allocated ahead and not used. True when the turn ended."""
+        ended = False
+        for t, a, b in zip(tokens, lps, lpm):
+            s.num_computed = len(s.tokens)  # the token fed at this step is now cached
+            self._counters["decode_tokens"] += 1
+            if self._accept(s, int(t), float(a), float(b), now):
+                ended = True
+                break
+        if s.status == Status.RUNNING:
+            self._trim_pages(s)
+        self._register_blocks(s)
         return ended
 
     def _trim_pages(self, s: _Seq) -> None:

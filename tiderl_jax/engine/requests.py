@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from tiderl_jax.engine.sampling import SamplingParams
 from tiderl_jax.model.vision import ImageSpan
@@ -22,6 +22,10 @@ class Request:
     # n tokens elsewhere (a token checkpoint, `faults/engine_worker.py`) passes n, so its tokens
     # draw the same random keys as the uninterrupted generation would have.
     sample_offset: int = 0
+    # What the speculative drafter drafts this sequence from (engine/speculation.py): sequences under one key
+    # (a task: its GRPO group and its earlier epochs) share one suffix index. None: its own, shared with the
+    # other samples of its `submit_group`.
+    draft_key: Hashable | None = None
 
 
 class Status(enum.Enum):
@@ -57,6 +61,8 @@ class _Seq:
     parent: int | None = None  # group leader whose prompt pages this sample forks
     looked_up: bool = False  # prefix cache consulted since the last (re)admission
     finish_reason: str | None = None
+    draft_key: Hashable | None = None  # its suffix index in the drafter
+    indexed: int = 0  # tokens of it the drafter has indexed
     submit_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

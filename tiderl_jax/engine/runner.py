@@ -1,6 +1,6 @@
 """The engine's device programs: chunked prefill and multi-step decode over the paged KV pool.
 
-Two jitted programs, each compiled once per padded shape bucket so a steady-state run never
+Three jitted programs, each compiled once per padded shape bucket so a steady-state run never
 recompiles (`compile_count` lets tests check it):
 
 - `prefill(rows [B], chunk [T], pages [P])`: writes up to T new tokens per row into its pages,
@@ -10,7 +10,10 @@ recompiles (`compile_count` lets tests check it):
 - `decode(rows [S], pages [P])`: up to K decode steps in one call (a `while` loop on device with a
   dynamic trip count), each feeding every live row its last token, writing its KV and sampling the
   next; rows stop on their stop ids or remaining budget. Multi-step decode removes the host round
-  trip between steps when no scheduling event is pending.
+  trip between steps when no scheduling event is pending;
+- `verify(rows [S], 1 + K tokens, pages [P])`: speculative decoding (WAR): each row feeds its last
+  token and up to K drafted tokens, writes their KV, and `sampling.verify_drafts` accepts a prefix of
+  the drafts and draws one more token, exactly as plain sampling would distribute them.
 
 Pools are donated to every call and replaced by the results, so pages are updated in place.
 """
@@ -27,7 +30,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from tiderl_jax.engine.buckets import bucket, half_pow2_buckets, pow2_buckets  # noqa: F401 (re-exported)
 from tiderl_jax.engine.paged_attention import PagedKV, write_pages
-from tiderl_jax.engine.sampling import row_keys, sample
+from tiderl_jax.engine.sampling import row_keys, sample, verify_drafts
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import place_copy, spec_for
 
@@ -83,6 +86,22 @@ def _decode_program(graphdef, params, k_pages, v_pages, tokens, page_table, star
     return cache.k_pages, cache.v_pages, carry[5], carry[6], carry[7], carry[8]
 
 
+def _verify_program(graphdef, params, k_pages, v_pages, tokens, page_table, starts, num_drafts, live,
+                    temperature, top_k, top_p, seeds, sample_index, filtered, *, impl):
+    model = nnx.merge(graphdef, params)
+    s, k1 = tokens.shape
+    positions = starts[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
+    num_new = jnp.where(live, num_drafts + 1, 0)
+    cache = PagedKV(k_pages, v_pages, page_table, starts, num_new, impl=impl)
+    hidden, cache = model(tokens, positions, cache=cache, num_new=num_new, return_hidden=True)
+    logits = model.logits(hidden)  # [S, 1 + K, V]
+    index = sample_index[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
+    keys = row_keys(jnp.repeat(seeds, k1), index.reshape(-1)).reshape(s, k1)
+    tok, lps, lpm, emitted = verify_drafts(logits, tokens[:, 1:], num_drafts, temperature, top_k, top_p,
+                                           keys, filtered=filtered)
+    return cache.k_pages, cache.v_pages, tok, lps, lpm, jnp.where(live, emitted, 0)
+
+
 def _write_sequence(k_pages, v_pages, k, v, page_row, length):
     """Copies one sequence's dense KV (per layer [kv, L, d]) into its pages (page_row [P])."""
     table, start, n = page_row[None], jnp.zeros((1,), jnp.int32), length[None]
@@ -118,8 +137,11 @@ class ModelRunner:
                                 donate_argnames=("k_pages", "v_pages"))
         self._decode = jax.jit(_decode_program, static_argnames=("graphdef", "max_steps", "impl"),
                                donate_argnames=("k_pages", "v_pages"))
+        self._verify = jax.jit(_verify_program, static_argnames=("graphdef", "impl"),
+                               donate_argnames=("k_pages", "v_pages"))
         self._programs: set = set()  # shape keys this runner has run (compiled here or before)
         self.compile_s = 0.0  # wall time of calls that compiled a new program
+        self.compiled = False  # whether the last call compiled one
 
     def set_params(self, params) -> None:
         """New weights (an nnx.State like the model's), copied onto the engine's shardings: the
@@ -133,11 +155,13 @@ class ModelRunner:
         return len(self._programs)
 
     def _call(self, key, fn, *args, **kwargs):
-        """Runs `fn`, timing it as compile time if the jit cache grew (a new program)."""
+        """Runs `fn`, timing it as compile time if the jit cache grew (a new program); `compiled` tells whether
+        the last call did (its wall time is then no measure of the program's speed)."""
         before = fn._cache_size()
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(*args, **kwargs))
-        if fn._cache_size() != before:
+        self.compiled = fn._cache_size() != before
+        if self.compiled:
             self.compile_s += time.perf_counter() - t0
         self._programs.add(key)
         return out
@@ -177,3 +201,14 @@ class ModelRunner:
             sample_index, np.bool_(filtered), np.int32(num_steps), max_steps=max_steps,
             impl=self.impl)
         return np.asarray(tok), np.asarray(lps), np.asarray(lpm), np.asarray(ok)
+
+    def verify(self, tokens, page_table, starts, num_drafts, live, temperature, top_k, top_p, seeds,
+               sample_index, *, filtered: bool):
+        """Host arrays: tokens [S, 1 + K] (each row's last token, then its drafts), page_table [S, P], the
+        rest [S]; returns host (tokens, logp_sample, logp_model) [S, 1 + K] and emitted [S] (0 off `live`)."""
+        key = ("verify", tokens.shape, page_table.shape)
+        self.k_pages, self.v_pages, tok, lps, lpm, emitted = self._call(
+            key, self._verify, self.graphdef, self.params, self.k_pages, self.v_pages, tokens, page_table,
+            starts, num_drafts, live, temperature, top_k, top_p, seeds, sample_index, np.bool_(filtered),
+            impl=self.impl)
+        return np.asarray(tok), np.asarray(lps), np.asarray(lpm), np.asarray(emitted)

