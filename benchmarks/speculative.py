@@ -20,7 +20,9 @@ the wall time of the rollouts minus the seconds spent compiling (measured by the
 JSON rows (one per model and batch): model, batch, acceptance_length (tokens emitted per sequence per speculative
 step), tokens_per_s_plain, tokens_per_s_spec, tokens_per_s_switched, spec_vs_plain, switched_vs_plain,
 switched_spec_fraction (share of the switched run's decode steps that speculated), compile_s.
-Targets (WAR): spec >= 1.5x plain at batch <= 4; switched never more than 3% slower than plain.
+Targets (WAR): spec >= 1.5x plain at batch <= 4; switched never more than 3% slower than plain. `--record` writes
+the tiny model's mean acceptance at batch <= 16 to `tiderl_jax/sim/measured_speculation.json`, which the
+simulator's WAR mode reads (`SimConfig.spec_accepted_tokens`).
 """
 
 import argparse
@@ -76,6 +78,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2", "both"))
     ap.add_argument("--batches", default="")
+    ap.add_argument("--record", action="store_true",
+                    help="write the tiny model's acceptance at batch <= 16 to tiderl_jax/sim/measured_speculation.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 4, 16] if args.quick else [1, 4, 16, 64])
     max_new = 48 if args.quick else 96
@@ -103,6 +107,16 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    small = [r for r in rows if r["model"] == "tiny" and r["batch"] <= 16]
+    if args.record and small:
+        record = dict(accepted_tokens=round(sum(r["acceptance_length"] for r in small) / len(small), 3), draft_tokens=4,
+                      by_batch={r["batch"]: round(r["acceptance_length"], 3) for r in small},
+                      source=f"benchmarks/speculative.py {' '.join(sys.argv[1:])} on {time.strftime('%Y-%m-%d')}: the "
+                             "main job's agentic policy, sampled at temperature 1, mean over batches <= 16")
+        path = os.path.join(ROOT, "tiderl_jax", "sim", "measured_speculation.json")
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {path}: accepted_tokens {record['accepted_tokens']}")
 
 
 if __name__ == "__main__":

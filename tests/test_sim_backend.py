@@ -223,11 +223,12 @@ def test_war_speculation_follows_the_rule_and_speeds_up_small_batches(tmp_path):
     ctx = 4096.0
     t1 = backend._decode_step(1, ctx)
     # batch 1 is memory-bound: verifying 4 drafts + 1 reads the weights and the context once, like a
-    # decode step, and emits 2 tokens: about half the time per token
+    # decode step, and emits the measured acceptance's tokens (SimConfig.spec_accepted_tokens, about 2)
     flops = 2.0 * backend.shape.matmul_params * 5 + costs.attention_flops(backend.shape, 1.0) * ctx * 5
     moved = backend.shape.param_bytes + costs.kv_bytes_per_token(backend.shape) * (ctx + 5)
     t_spec = max(flops / backend._flops_rate, moved / backend._bytes_rate)
-    assert backend._spec_step(1, ctx, t1) == pytest.approx(war.use_speculation(1, t_spec, 2.0, t1).spec_s_per_token)
+    accepted = SimConfig().spec_accepted_tokens
+    assert backend._spec_step(1, ctx, t1) == pytest.approx(war.use_speculation(1, t_spec, accepted, t1).spec_s_per_token)
     assert backend._spec_step(1, ctx, t1) < 0.6 * t1
     # above WAR's batch bound the switch stays off
     t32 = backend._decode_step(32, ctx * 32)

@@ -203,7 +203,8 @@ def test_warmup_compiles_the_verify_programs_and_steady_state_compiles_nothing()
 def test_the_switch_measures_both_kinds_then_follows_wars_rule():
     sw = SpecSwitch("auto", max_batch=16, classes=(1, 4, 16), probe_every=1000)
     assert sw.decide(2) is False  # no plain measurement yet: plain first
-    sw.record_decode(2, 0.010)
+    sw.record_decode(2, True, 0.010)
+    assert sw.decide(2, multi_step=False) is False  # a one-step plain call is another regime: measured first
     assert sw.decide(2) is True  # then speculation once
     sw.record_spec(2, 0.014, emitted_per_seq=2.5)  # 0.0056 s per token < 0.010
     assert sw.decide(3) is True and sw.last.use
@@ -216,7 +217,7 @@ def test_the_switch_measures_both_kinds_then_follows_wars_rule():
 
 def test_the_switch_probes_the_kind_it_did_not_choose():
     sw = SpecSwitch("auto", max_batch=16, classes=(1, 4, 16), probe_every=4)
-    sw.record_decode(1, 0.01)
+    sw.record_decode(1, True, 0.01)
     sw.record_spec(1, 0.05, 1.2)
     choices = [sw.decide(1) for _ in range(12)]
     assert choices.count(True) == 3 and choices.count(False) == 9

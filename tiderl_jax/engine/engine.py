@@ -12,7 +12,8 @@
 or a fork of the group leader's prompt pages), take chunks of pending prefills up to the prefill
 budget (a policy in `tiderl_jax/policies/prefill_budget.py`: static or P-PAS), run one prefill
 program for all chunks, then one decode program for every running sequence: K steps at once when
-nothing else waits, one step otherwise, so prefills interleave with decodes.
+nothing else waits, one step otherwise, so prefills interleave with decodes. With speculation (WAR,
+`speculation.py`), a decode step drafts tokens per sequence and verifies them in one forward instead.
 
 Memory: pages are allocated as sequences grow. When none is left, the preemption policy
 (`tiderl_jax/policies/preemption.py`) picks a victim whose KV is **dropped and recomputed** when it
@@ -61,8 +62,7 @@ class Engine(SpeculativeDecoding):
     def __init__(self, model: Decoder, config: EngineConfig = EngineConfig(), *, version: int = 0):
         self.config = config
         self.model_cfg = model.cfg
-        self.runner = ModelRunner(model, num_pages=config.num_pages, page_size=config.page_size,
-                                  attention_impl=config.attention_impl)
+        self.runner = self._new_runner(model)
         self.pool = PagePool(config.num_pages, config.page_size)
         self.version = version
         self._weights = 0  # weight swaps so far: what prefix-cache blocks are keyed by (`_cache_version`)
@@ -265,10 +265,14 @@ class Engine(SpeculativeDecoding):
             if seq.status in (Status.PREFILLING, Status.RUNNING):
                 seq.status = Status.WAITING
         self._compile_s_before_move += self.runner.compile_s
-        self.runner = ModelRunner(model, num_pages=self.config.num_pages, page_size=self.config.page_size,
-                                  attention_impl=self.config.attention_impl)
+        self.runner = self._new_runner(model)
         self.pool = PagePool(self.config.num_pages, self.config.page_size)
         self._counters["moves"] = self._counters.get("moves", 0) + 1
+
+    def _new_runner(self, model: Decoder) -> ModelRunner:
+        c = self.config
+        return ModelRunner(model, num_pages=c.num_pages, page_size=c.page_size, attention_impl=c.attention_impl,
+                           max_stop_ids=c.max_stop_ids)
 
     @property
     def compile_s(self) -> float:
@@ -304,36 +308,27 @@ class Engine(SpeculativeDecoding):
                  version=self.version, uptime_s=time.perf_counter() - self._t0)
         return c
 
-    def warmup(self, programs=None) -> float:
-        """Compiles every device program the engine can ask for (all shape buckets), or only `programs`: the
-        shape keys an engine of the same config ran (`programs()`: what a rerun will ask for, without the whole
-        grid); returns seconds. After the full warm-up no traffic within the configured limits compiles anything.
+    def warmup(self, programs=None, threads: int = 2) -> float:
+        """Compiles every device program the engine can ask for (`grid()`), or only `programs`: the shape keys an
+        engine of the same config ran (`programs()`: what a rerun will ask for, without the whole grid), `threads`
+        at a time; returns seconds. After the full warm-up no traffic within the configured limits compiles anything.
         """
-        t0 = time.perf_counter()
-        if programs is None:
-            programs = [("decode", (rows,), (rows, pages), self.config.decode_steps)
-                        for rows in self._row_buckets for pages in self._page_buckets]
-            programs += [("prefill", (rows, width), (rows, pages)) for rows in self._prefill_row_buckets
-                         for width in self._chunk_buckets for pages in self._prefill_page_buckets]
-            programs += self._spec_programs()
-        for key in programs:
-            if key[0] == "decode":
-                (rows,), (_, pages), steps = key[1:]
-                z = np.zeros(rows, np.int32)
-                self.runner.decode(z, np.zeros((rows, pages), np.int32), z, np.zeros(rows, bool), z,
-                                   np.full((rows, self.config.max_stop_ids), -1, np.int32),
-                                   np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z, 1,
-                                   max_steps=steps, filtered=False)
-            elif key[0] == "prefill":
-                (rows, width), (_, pages) = key[1:]
-                z = np.zeros(rows, np.int32)
-                self.runner.prefill(np.zeros((rows, width), np.int32), np.zeros((rows, pages), np.int32), z, z,
-                                    np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z,
-                                    filtered=False, **self._image_inputs([], rows, width))
-            elif key[0] == "verify":
-                (rows, width), (_, pages) = key[1:]
-                self._warm_verify(rows, width, pages)
-        return time.perf_counter() - t0
+        return self.runner.warm(self.grid() if programs is None else programs, threads)
+
+    def grid(self) -> list:
+        """The shape keys of every program traffic within the configured limits can run: decode (rows x attention
+        span), prefill (rows x chunk width x span, without the spans too short for the chunk: a chunk in width
+        bucket w has more tokens than the bucket below w, so its span holds at least that many) and, with
+        speculation, verify (rows x span)."""
+        keys = [("decode", (rows,), (rows, pages), self.config.decode_steps)
+                for rows in self._row_buckets for pages in self._page_buckets]
+        ps = self.config.page_size
+        for i, width in enumerate(self._chunk_buckets):
+            shortest = self._chunk_buckets[i - 1] + 1 if i else 1
+            keys += [("prefill", (rows, width), (rows, pages)) for rows in self._prefill_row_buckets
+                     for pages in self._prefill_page_buckets if pages * ps >= shortest
+                     or pages == self._prefill_page_buckets[-1]]
+        return keys + self._spec_programs()
 
     def programs(self) -> frozenset:
         """The shape keys of the device programs this engine has run (`warmup(programs)` of another engine)."""
@@ -341,8 +336,7 @@ class Engine(SpeculativeDecoding):
 
     def num_programs(self) -> int:
         """Size of the shape-bucket grid `warmup` compiles."""
-        return (len(self._page_buckets) * len(self._row_buckets) + len(self._prefill_page_buckets)
-                * len(self._prefill_row_buckets) * len(self._chunk_buckets) + len(self._spec_programs()))
+        return len(self.grid())
 
     def step(self) -> list[int]:
         """One scheduling round; returns the handles whose turn ended (finished or paused)."""
@@ -708,7 +702,7 @@ class Engine(SpeculativeDecoding):
         if not running:
             return []
         t0 = time.perf_counter()
-        spec = self._speculate(min(len(running), self.config.max_running))  # WAR: speculation.py
+        spec = self._speculate(min(len(running), self.config.max_running), steps)  # WAR: speculation.py
         horizon = 1 + self.config.spec_tokens if spec else steps
         batch = []
         for s in running:
@@ -751,7 +745,8 @@ class Engine(SpeculativeDecoding):
         ended = [s.id for i, s in enumerate(batch)
                  if self._emit(s, tok[ok[:, i], i], lps[ok[:, i], i], lpm[ok[:, i], i], now)]
         if not compiled:  # seconds per step, host work included (WAR's switch compares it to speculation)
-            self.spec_switch.record_decode(len(batch), (time.perf_counter() - t0) / min(steps, max_steps))
+            n = min(steps, max_steps)
+            self.spec_switch.record_decode(len(batch), n > 1, (time.perf_counter() - t0) / n)
         return ended
 
     def _emit(self, s: _Seq, tokens, lps, lpm, now: float) -> bool:

@@ -20,6 +20,8 @@ Pools are donated to every call and replaced by the results, so pages are update
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 
 import jax
@@ -113,8 +115,10 @@ def _write_sequence(k_pages, v_pages, k, v, page_row, length):
 class ModelRunner:
     """Owns the parameters and the page pools on the engine's devices; runs the two programs."""
 
-    def __init__(self, model: Decoder, *, num_pages: int, page_size: int, attention_impl: str = "xla"):
+    def __init__(self, model: Decoder, *, num_pages: int, page_size: int, attention_impl: str = "xla",
+                 max_stop_ids: int = 8):
         cfg = model.cfg
+        self.max_stop_ids = max_stop_ids
         self.cfg = cfg
         self.page_size = page_size
         self.num_pages = num_pages
@@ -129,9 +133,8 @@ class ModelRunner:
         else:
             self.pool_sharding = SingleDeviceSharding(jax.local_devices()[0])
             self.param_shardings = None
-        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype)), out_shardings=self.pool_sharding)
-        self.k_pages = tuple(zeros() for _ in range(cfg.num_layers))
-        self.v_pages = tuple(zeros() for _ in range(cfg.num_layers))
+        self._zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype)), out_shardings=self.pool_sharding)
+        self.k_pages, self.v_pages = self._new_pools()
         self._write = jax.jit(_write_sequence, donate_argnames=("k_pages", "v_pages"))
         self._prefill = jax.jit(_prefill_program, static_argnames=("graphdef", "impl"),
                                 donate_argnames=("k_pages", "v_pages"))
@@ -142,6 +145,64 @@ class ModelRunner:
         self._programs: set = set()  # shape keys this runner has run (compiled here or before)
         self.compile_s = 0.0  # wall time of calls that compiled a new program
         self.compiled = False  # whether the last call compiled one
+
+    def _new_pools(self):
+        return (tuple(self._zeros() for _ in range(self.cfg.num_layers)),
+                tuple(self._zeros() for _ in range(self.cfg.num_layers)))
+
+    def _dummy_call(self, key, k_pages, v_pages):
+        """Runs the program of shape key `key` on zero inputs and the given pools; returns the new pools."""
+        kind = key[0]
+        if kind == "decode":
+            (rows,), (_, pages), steps = key[1:]
+            z = np.zeros(rows, np.int32)
+            out = self._decode(self.graphdef, self.params, k_pages, v_pages, z, np.zeros((rows, pages), np.int32), z,
+                               np.zeros(rows, bool), z, np.full((rows, self.max_stop_ids), -1, np.int32),
+                               np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z, np.bool_(False),
+                               np.int32(1), max_steps=steps, impl=self.impl)
+        elif kind in ("prefill", "verify"):
+            (rows, width), (_, pages) = key[1:]
+            z = np.zeros(rows, np.int32)
+            common = (np.zeros((rows, width), np.int32), np.zeros((rows, pages), np.int32), z, z)
+            sampling = (np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z, np.bool_(False))
+            if kind == "verify":
+                out = self._verify(self.graphdef, self.params, k_pages, v_pages, *common, np.zeros(rows, bool),
+                                   *sampling, impl=self.impl)
+            else:
+                images = ()
+                if self.cfg.is_vision:
+                    images = (np.zeros((rows, width, self.cfg.image_patch_dim), np.float32),
+                              np.full((rows, width), -1, np.int32))
+                out = self._prefill(self.graphdef, self.params, k_pages, v_pages, *common, *sampling, *images,
+                                    impl=self.impl)
+        else:
+            raise ValueError(f"no program of kind {kind!r} to warm up")
+        jax.block_until_ready(out)
+        return out[0], out[1]
+
+    def warm(self, keys, threads: int = 2) -> float:
+        """Compiles (and runs once, on zeros) the programs of the shape keys `keys`, `threads` at a time: XLA
+        compiles with the GIL released, so two compile at once on two cores. Each thread runs on page pools of
+        its own (freed after), never the engine's. Returns the seconds, all counted as compile time."""
+        keys = [k for k in keys if k not in self._programs]
+        t0 = time.perf_counter()
+        if keys:
+            local = threading.local()
+
+            def one(key):
+                if not hasattr(local, "pools"):
+                    local.pools = self._new_pools()
+                local.pools = self._dummy_call(key, *local.pools)
+                return key
+            n = max(1, min(threads, len(keys)))
+            if n == 1:
+                self._programs.update(one(k) for k in keys)
+            else:
+                with concurrent.futures.ThreadPoolExecutor(n) as ex:
+                    self._programs.update(ex.map(one, keys))
+        seconds = time.perf_counter() - t0
+        self.compile_s += seconds
+        return seconds
 
     def set_params(self, params) -> None:
         """New weights (an nnx.State like the model's), copied onto the engine's shardings: the

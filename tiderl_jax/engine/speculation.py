@@ -10,10 +10,12 @@ for rejected drafts lies beyond the sequence's length: it is never read and the 
 
 `SpecSwitch` decides per step (WAR's rule, `policies.war.use_speculation`): off above `spec_max_batch`
 sequences; else on when the measured seconds of a speculative step per emitted token are below the
-measured seconds of a plain decode step, at the same batch size class. Measurements are moving averages
-of this engine's own steps (host work included: drafting, batching, the device call); a class with no
-measurement of one kind runs that kind once, and every `probe_every`-th decision runs the other kind so
-that both stay current. Steps that compiled a program are not measured.
+measured seconds of a plain decode step, at the same batch size class and in the same regime: a plain call
+runs `decode_steps` steps when nothing else waits (its dispatch and host work amortized over them) but
+one step while prefills are pending, and a speculative call always runs one. Measurements are moving
+averages of this engine's own steps (host work included: drafting, batching, the device call); a class
+with no measurement of one kind runs that kind once, and every `probe_every`-th decision runs the other
+kind so that both stay current. Steps that compiled a program are not measured.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class SpecSwitch:
                  smoothing: float = 0.2):
         self.mode, self.max_batch, self.classes = mode, max_batch, tuple(classes)
         self.probe_every, self.smoothing = probe_every, smoothing
-        self.t_decode: dict[int, float] = {}  # batch class -> seconds per plain decode step
+        self.t_decode: dict[tuple[int, bool], float] = {}  # (batch class, multi-step) -> seconds per plain step
         self.t_spec: dict[int, float] = {}  # batch class -> seconds per speculative step
         self.accepted: float | None = None  # tokens emitted per sequence per speculative step
         self.last: war.SpecDecision | None = None
@@ -46,21 +48,24 @@ class SpecSwitch:
     def _class(self, batch: int) -> int:
         return bucket(min(batch, self.classes[-1]), self.classes)
 
-    def decide(self, batch: int) -> bool:
+    def decide(self, batch: int, multi_step: bool = True) -> bool:
+        """Whether this decode step of `batch` sequences speculates (`multi_step`: a plain call would run several
+        steps)."""
         if self.mode == "off" or batch < 1 or batch > self.max_batch:
             return False
         if self.mode == "on":
             return True
         c = self._class(batch)
         self._decisions += 1
-        if c not in self.t_decode:
+        if (c, multi_step) not in self.t_decode:
             use = False
         elif c not in self.t_spec or self.accepted is None:
             use = True
         elif self._decisions % self.probe_every == 0:
             use = not self._last_use  # refresh the measurement of the kind not chosen lately
         else:
-            self.last = war.use_speculation(batch, self.t_spec[c], self.accepted, self.t_decode[c], self.max_batch)
+            self.last = war.use_speculation(batch, self.t_spec[c], self.accepted, self.t_decode[c, multi_step],
+                                            self.max_batch)
             use = self._last_use = self.last.use
         return use
 
@@ -68,9 +73,9 @@ class SpecSwitch:
         old = table.get(c)
         table[c] = value if old is None else old + self.smoothing * (value - old)
 
-    def record_decode(self, batch: int, seconds_per_step: float) -> None:
+    def record_decode(self, batch: int, multi_step: bool, seconds_per_step: float) -> None:
         if batch <= self.max_batch:
-            self._average(self.t_decode, self._class(batch), seconds_per_step)
+            self._average(self.t_decode, (self._class(batch), multi_step), seconds_per_step)
 
     def record_spec(self, batch: int, seconds: float, emitted_per_seq: float) -> None:
         self._average(self.t_spec, self._class(batch), seconds)
@@ -91,8 +96,8 @@ class SpeculativeDecoding:
         """Indexes an earlier sequence (a trajectory of the task) for sequences submitted under `draft_key=key`."""
         self.drafter.add(key, [int(t) for t in tokens])
 
-    def _speculate(self, batch: int) -> bool:
-        return self.spec_switch.decide(batch)
+    def _speculate(self, batch: int, steps: int) -> bool:
+        return self.spec_switch.decide(batch, min(steps, self.config.decode_steps) > 1)
 
     def _spec_programs(self) -> list:
         if self.config.speculation == "off":
@@ -100,12 +105,6 @@ class SpeculativeDecoding:
         width = 1 + self.config.spec_tokens
         return [("verify", (rows, width), (rows, pages)) for rows in self._spec_row_buckets
                 for pages in self._prefill_page_buckets]
-
-    def _warm_verify(self, rows: int, width: int, pages: int) -> None:
-        z = np.zeros(rows, np.int32)
-        self.runner.verify(np.zeros((rows, width), np.int32), np.zeros((rows, pages), np.int32), z, z,
-                           np.zeros(rows, bool), np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z,
-                           filtered=False)
 
     def _draft(self, s: _Seq, k: int) -> list[int]:
         key = s.draft_key

@@ -5,10 +5,17 @@ backend describes what its parameters model (backend.py lists the parts)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.policies import routing
 from tiderl_jax.sim import costs, hardware, workloads
+
+
+# Acceptance of the engine's speculative decoding on agentic rollouts, as `benchmarks/speculative.py --record` measured
+# it (the file names the run): the simulator's WAR mode uses it instead of an assumption.
+MEASURED_SPECULATION = json.loads((pathlib.Path(__file__).parent / "measured_speculation.json").read_text())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +47,12 @@ class SimConfig:
     seed: int = 0  # task shapes: rng seeded by (seed, group)
     # WAR speculative decoding (policies.war.use_speculation per event; roofline costs only): a
     # model-free drafter proposes `spec_draft_tokens`, one verify step scores them all, and emits
-    # `spec_accepted_tokens` per sequence on average (accepted drafts + 1). Both ours: WAR's record
-    # gives the rule and the batch bound (war.SPEC_MAX_BATCH), not the acceptance.
+    # `spec_accepted_tokens` per sequence on average (accepted drafts + 1). Both measured: the engine's
+    # own drafter on agentic rollouts (`benchmarks/speculative.py --record` writes measured_speculation.json);
+    # WAR's record gives the rule and the batch bound (war.SPEC_MAX_BATCH), not the acceptance.
     war_speculation: bool = False
-    spec_draft_tokens: int = 4
-    spec_accepted_tokens: float = 2.0
+    spec_draft_tokens: int = MEASURED_SPECULATION["draft_tokens"]
+    spec_accepted_tokens: float = MEASURED_SPECULATION["accepted_tokens"]
     # the real engine's step rule (`engine.Engine.step`; measured costs only): an event that prefills,
     # or leaves a turn waiting in the queue, decodes 1 step; any other decodes `decode_chunk` steps
     # whatever the running turns have left (ended rows ride along); the turns an event ends reach the
