@@ -307,7 +307,7 @@ def test_no_recompiles_in_steady_state():
     resumes, greedy / sampled / top-p rows) runs no device program outside the warmed bucket grid."""
     eng = _engine(num_pages=48, max_running=4, max_seq_len=128, prefill_chunk=32, max_prefill_rows=4)
     eng.warmup()
-    warm = eng.stats()["compilations"]
+    warm, compile_s = eng.stats()["compilations"], eng.compile_s
     assert warm == eng.num_programs() == 23  # decode 1 row x 5 span buckets + prefill 3 rows x 2 chunks x 3 spans
     rng = np.random.default_rng(0)
     handles = []
@@ -329,6 +329,7 @@ def test_no_recompiles_in_steady_state():
     stats = eng.stats()
     assert stats["decode_tokens"] > 500 and stats["preemptions"] > 0
     assert stats["compilations"] == warm, "traffic ran a program outside the warmed grid"
+    assert eng.compile_s == compile_s, "a warmed program compiled again (called otherwise than warm-up called it)"
 
 
 def test_warmup_of_the_programs_another_engine_ran():

@@ -190,12 +190,12 @@ def test_warmup_compiles_the_verify_programs_and_steady_state_compiles_nothing()
     eng = _engine(speculation="auto", max_running=4, max_seq_len=128, num_pages=48, prefill_chunk=32,
                   max_prefill_rows=4, bucket_growth=4, spec_max_batch=4)
     eng.warmup()
-    warm = eng.stats()["compilations"]
+    warm, compile_s = eng.stats()["compilations"], eng.compile_s
     verify = {key for key in eng.programs() if key[0] == "verify"}
     assert warm == eng.num_programs() and len(verify) == 2 * 2  # verify: rows 1, 4 x spans 4, 16 pages
     out = eng.generate(_repetitive_prompts(6, seed=3), SamplingParams(temperature=1.0, max_new_tokens=30))
     assert all(len(o.new_tokens) == 30 for o in out)
-    assert eng.stats()["compilations"] == warm
+    assert eng.stats()["compilations"] == warm and eng.compile_s == compile_s
 
 
 # ----------------------------------------------------------------------------------------------- the switch

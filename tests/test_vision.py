@@ -342,7 +342,7 @@ def test_bad_image_requests_are_refused():
 def test_no_recompiles_with_images_after_warmup():
     eng = _engine(num_pages=32, max_running=2, max_prefill_rows=2, max_seq_len=64)
     eng.warmup()
-    warm = eng.stats()["compilations"]
+    warm, compile_s = eng.stats()["compilations"], eng.compile_s
     assert warm == eng.num_programs()
     prompts = [_compose(_text(3 + i, 130 + i), _image(140 + i, 8 + 8 * (i % 2)), _text(5, 150 + i))
                for i in range(4)]
@@ -350,4 +350,4 @@ def test_no_recompiles_with_images_after_warmup():
         eng.submit(Request(tokens, GREEDY, images=images))
         eng.step()
     eng.run()
-    assert eng.stats()["compilations"] == warm
+    assert eng.stats()["compilations"] == warm and eng.compile_s == compile_s

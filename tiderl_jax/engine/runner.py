@@ -169,7 +169,7 @@ class ModelRunner:
                 out = self._verify(self.graphdef, self.params, k_pages, v_pages, *common, np.zeros(rows, bool),
                                    *sampling, impl=self.impl)
             else:
-                images = ()
+                images = (None, None)  # as `prefill` passes them: a call spelled otherwise is another cache entry
                 if self.cfg.is_vision:
                     images = (np.zeros((rows, width, self.cfg.image_patch_dim), np.float32),
                               np.full((rows, width), -1, np.int32))
