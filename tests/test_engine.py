@@ -372,3 +372,13 @@ def test_coarse_buckets_compile_fewer_programs_with_the_same_outputs():
         assert o.new_tokens == greedy(MODEL, p, 12)
     with pytest.raises(ValueError, match="bucket_growth=3"):
         EngineConfig(**SMALL, bucket_growth=3)
+
+
+def test_the_main_jobs_engine_warms_up_a_small_grid():
+    """The main job's engine config (configs/tiny_agentic.py) compiles 27 programs at warm-up (a cold warm-up
+    under a minute on 2 CPU cores: benchmarks/engine_warmup.py measures it): decode 3 rows x 3 spans, prefill
+    2 rows x the 9 (chunk width, span) pairs whose span can hold the chunk."""
+    import configs.tiny_agentic as main_job
+    eng = Engine(MODEL, EngineConfig(**main_job.get_config().engine.to_dict()))
+    kinds = [key[0] for key in eng.grid()]
+    assert eng.num_programs() == 27 and kinds.count("decode") == 9 and kinds.count("prefill") == 18

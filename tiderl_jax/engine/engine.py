@@ -75,7 +75,7 @@ class Engine(SpeculativeDecoding):
         # little next to its chunk: coarse ones (fewer programs to compile).
         g = config.bucket_growth
         self._page_buckets = (half_pow2_buckets(min(4, max_pages), max_pages) if g == 2
-                              else pow2_buckets(min(4, max_pages), max_pages))
+                              else pow2_buckets(min(4, max_pages), max_pages, 4))
         self._prefill_page_buckets = pow2_buckets(min(4, max_pages), max_pages, g)
         self._row_buckets = pow2_buckets(min(8, config.max_running), config.max_running, g)
         self._prefill_row_buckets = pow2_buckets(1, min(config.max_prefill_rows, config.max_running), g)
@@ -308,10 +308,10 @@ class Engine(SpeculativeDecoding):
                  version=self.version, uptime_s=time.perf_counter() - self._t0)
         return c
 
-    def warmup(self, programs=None, threads: int = 2) -> float:
+    def warmup(self, programs=None, threads: int = 1) -> float:
         """Compiles every device program the engine can ask for (`grid()`), or only `programs`: the shape keys an
         engine of the same config ran (`programs()`: what a rerun will ask for, without the whole grid), `threads`
-        at a time; returns seconds. After the full warm-up no traffic within the configured limits compiles anything.
+        at a time (on 2 CPU cores XLA's own threads already use both: 2 gained nothing there); returns seconds. After the full warm-up no traffic within the configured limits compiles anything.
         """
         return self.runner.warm(self.grid() if programs is None else programs, threads)
 

@@ -180,7 +180,7 @@ class ModelRunner:
         jax.block_until_ready(out)
         return out[0], out[1]
 
-    def warm(self, keys, threads: int = 2) -> float:
+    def warm(self, keys, threads: int = 1) -> float:
         """Compiles (and runs once, on zeros) the programs of the shape keys `keys`, `threads` at a time: XLA
         compiles with the GIL released, so two compile at once on two cores. Each thread runs on page pools of
         its own (freed after), never the engine's. Returns the seconds, all counted as compile time."""
