@@ -3,8 +3,11 @@
     python benchmarks/speculative.py [--quick] [--json out.json] [--model tiny|smollm2|both] [--batches 1,4,16,64]
 
 Workload: real multi-turn agentic rollouts through the rollout loop (`rl/evaluate.sample_groups`: the built-in
-`calculator` and `lookup` tasks, their tools answering between turns), GRPO groups of 4 samples per task, sampled at
-temperature 1 as RL rollouts are, up to 4 turns of at most 96 new tokens. At batch B the engine runs at most B
+`calculator` and `lookup` tasks, their tools answering between turns), GRPO groups of 4 samples per task, up to 4
+turns of at most 96 new tokens (48 with `--quick`). Greedy by default: speculation is token-exact under greedy
+decoding, so the three modes generate the same tokens and their tokens/s compare the same work; `--temperature 1`
+samples as RL rollouts do (each mode then draws other samples, so its rollouts differ in length and turns, which
+moves tokens/s by tens of percent from run to run on its own). At batch B the engine runs at most B
 sequences at once (`max_running=B`) and is given 2B sessions (at least one group), so it decodes at about B.
 Models:
 - `tiny`: the main job's warm-started policy (`checkpoints/tiny_agentic_sft`, trained on these tasks: its outputs
@@ -55,13 +58,13 @@ def load(name):
     return load_gguf(packaged.model_path("smollm2-135m-instruct"))
 
 
-def run(model, tok, mode, batch, num_tasks, max_new_tokens):
+def run(model, tok, mode, batch, num_tasks, max_new_tokens, temperature):
     engine = Engine(model, EngineConfig(page_size=16, num_pages=max(512, 48 * batch + 64), max_seq_len=1024,
                                         max_running=batch, prefill_chunk=512, prefill_budget=2048,
                                         max_prefill_rows=16, decode_steps=8, bucket_growth=4,
                                         speculation=MODES[mode], spec_tokens=4))
     tasks = [builtin_tasks.make_task(("calculator", "lookup")[i % 2], i, "heldout", 0) for i in range(num_tasks)]
-    cfg = RolloutConfig(max_turns=4, max_new_tokens=max_new_tokens, max_context=1024, temperature=1.0, seed=0)
+    cfg = RolloutConfig(max_turns=4, max_new_tokens=max_new_tokens, max_context=1024, temperature=temperature, seed=0)
     t0 = time.perf_counter()
     trajectories = sample_groups(engine, tok, tasks, GROUP, cfg)
     wall = time.perf_counter() - t0
@@ -78,6 +81,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2", "both"))
     ap.add_argument("--batches", default="")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (default): greedy, the three modes generate the same tokens; 1: as RL rollouts sample")
     ap.add_argument("--record", action="store_true",
                     help="write the tiny model's acceptance at batch <= 16 to tiderl_jax/sim/measured_speculation.json")
     args = ap.parse_args()
@@ -90,7 +95,7 @@ def main():
         model, tok = load(name)
         for batch in batches:
             num_tasks = max(1, 2 * batch // GROUP)
-            res = {mode: run(model, tok, mode, batch, num_tasks, max_new) for mode in MODES}
+            res = {mode: run(model, tok, mode, batch, num_tasks, max_new, args.temperature) for mode in MODES}
             plain = res["plain"]["tokens_per_s"]
             row = dict(model=name, batch=batch, acceptance_length=res["spec"]["acceptance_length"],
                        tokens_per_s_plain=plain, tokens_per_s_spec=res["spec"]["tokens_per_s"],
@@ -112,7 +117,7 @@ def main():
         record = dict(accepted_tokens=round(sum(r["acceptance_length"] for r in small) / len(small), 3), draft_tokens=4,
                       by_batch={r["batch"]: round(r["acceptance_length"], 3) for r in small},
                       source=f"benchmarks/speculative.py {' '.join(sys.argv[1:])} on {time.strftime('%Y-%m-%d')}: the "
-                             "main job's agentic policy, sampled at temperature 1, mean over batches <= 16")
+                             f"main job's agentic policy at temperature {args.temperature}, mean over batches <= 16")
         path = os.path.join(ROOT, "tiderl_jax", "sim", "measured_speculation.json")
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
