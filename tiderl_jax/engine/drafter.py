@@ -110,11 +110,10 @@ class Drafter:
 
     def add(self, key: Hashable, tokens: Sequence[int]) -> None:
         """Indexes a whole earlier sequence (a trajectory of the task) under `key`."""
-        idx = self.index(key)
-        if idx.num_tokens < self.max_tokens:
-            idx.extend((), tokens)
+        self.extend(key, (), tokens)
 
     def extend(self, key: Hashable, context: Sequence[int], new: Sequence[int]) -> None:
+        """Indexes `new`, the tokens that follow `context`, under `key` (up to `max_tokens` per key)."""
         idx = self.index(key)
         if idx.num_tokens < self.max_tokens:
             idx.extend(context, new)
