@@ -59,6 +59,7 @@ cotangent w.r.t. the prompt K/V is plain slicing of the concatenation's cotangen
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -82,11 +83,13 @@ class PromptKV:
     k, v: one array per layer, each [batch, kv_heads, S, head_dim]. A call with T new tokens
     attends them to all S cached positions and causally among themselves, and `advance` returns the
     prefix extended by all T tokens (`num_new` is not used: padding sits at the end of a response,
-    where causality hides it from the real tokens).
+    where causality hides it from the real tokens). `valid` [S] bool (None: all) marks the real keys
+    of a prompt padded at its end to a length bucket; the padding keys are never attended to.
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+    valid: jax.Array | None = None
 
     @classmethod
     def empty(cls, num_layers: int, kv_heads: int, head_dim: int, dtype) -> "PromptKV":
@@ -104,11 +107,17 @@ class PromptKV:
         prefix = self.k[i].shape[2]
         q_abs = prefix + jnp.arange(t)  # index of each query among the keys
         mask = jnp.arange(prefix + t)[None, :] <= q_abs[:, None]
+        if self.valid is not None:
+            mask = mask & jnp.concatenate([self.valid, jnp.ones((t,), bool)])[None, :]
         out = attend(q, k.astype(q.dtype), v.astype(q.dtype), jnp.broadcast_to(mask, (b, t, prefix + t)))
         return out, (k, v)
 
     def advance(self, layer_states, num_new):
-        return PromptKV(k=tuple(s[0] for s in layer_states), v=tuple(s[1] for s in layer_states))
+        k = tuple(s[0] for s in layer_states)
+        valid = self.valid
+        if valid is not None:
+            valid = jnp.concatenate([valid, jnp.ones((k[0].shape[2] - valid.shape[0],), bool)])
+        return PromptKV(k=k, v=tuple(s[1] for s in layer_states), valid=valid)
 
 
 @flax.struct.dataclass
@@ -119,63 +128,106 @@ class PromptState:
     last_hidden: jax.Array  # [embed], after the final norm: predicts each response's first token
 
 
-def _token_logp(model, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
-    """hidden [b, R, embed] (the state before each token) and tokens [b, R] -> log-probs [b, R] float32."""
-    logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
-    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+def _token_outputs(model, hidden: jax.Array, tokens: jax.Array, temperature: float = 1.0):
+    """hidden [b, R, embed] (the state before each token) and tokens [b, R] -> (log-probs, entropies)
+    [b, R] float32 of the sampling distribution `log_softmax(logits / temperature)`, as the trainer's."""
+    logp_all = jax.nn.log_softmax(model.logits(hidden).astype(jnp.float32) / temperature, axis=-1)
+    logp = jnp.take_along_axis(logp_all, tokens[..., None], axis=-1)[..., 0]
+    return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
 
 
-def _prompt_state(graphdef, params, prompt: jax.Array) -> PromptState:
-    """Prompt forward (positions 0..P-1, batch 1) -> its K/V and last hidden state."""
+def _prompt_state(graphdef, params, prompt: jax.Array, length: jax.Array) -> PromptState:
+    """Prompt forward (positions 0..P-1, batch 1) -> its K/V and the hidden state at `length` - 1.
+
+    Tokens at `length` and after are padding (a prompt length bucket): causality keeps them out of
+    the real positions, and the replay masks their keys (`_replay`)."""
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
     empty = PromptKV.empty(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
     positions = jnp.arange(prompt.shape[0], dtype=jnp.int32)[None]
     hidden, kv = model(prompt[None], positions, cache=empty, return_hidden=True)
-    return PromptState(kv=kv, last_hidden=hidden[0, -1])
+    return PromptState(kv=kv, last_hidden=jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=False))
 
 
-def _response_loss(graphdef, params, state: PromptState, tokens, mask, extra, loss_fn) -> jax.Array:
-    """One response [R] replayed on the prompt state -> its loss (a scalar)."""
-    model = nnx.merge(graphdef, params)
-    prompt_len = state.kv.k[0].shape[2]
-    positions = prompt_len + jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
-    hidden, _ = model(tokens[None], positions, cache=state.kv, return_hidden=True)
+def _replay(model, state: PromptState, length, tokens, temperature):
+    """One response [R] on the prompt state -> (log-probs, entropies) [R] of its tokens."""
+    size = state.kv.k[0].shape[2]
+    kv = state.kv.replace(valid=jnp.arange(size) < length) if size else state.kv
+    positions = length + jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
+    hidden, _ = model(tokens[None], positions, cache=kv, return_hidden=True)
     # Token j is predicted by the state before it: the prompt's last position for j = 0, else
     # response position j - 1 (the last response position predicts nothing here).
     before = jnp.concatenate([state.last_hidden[None, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
-    return loss_fn(_token_logp(model, before, tokens[None])[0], mask, extra)
+    logp, entropy = _token_outputs(model, before, tokens[None], temperature)
+    return logp[0], entropy[0]
+
+
+def _response_loss(graphdef, params, state: PromptState, length, tokens, mask, extra, loss_fn, temperature):
+    """One response replayed on the prompt state -> loss_fn's (loss, aux)."""
+    logp, entropy = _replay(nnx.merge(graphdef, params), state, length, tokens, temperature)
+    return loss_fn(logp, entropy, mask, extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoAux:
+    """A public `ResponseLoss` (logp, mask, extra) -> loss, as the internal (logp, entropy, mask, extra) ->
+    (loss, aux); hashable by the function, so the compiled program is reused across calls."""
+
+    fn: Callable
+
+    def __call__(self, logp, entropy, mask, extra):
+        return self.fn(logp, mask, extra), ()
 
 
 def _tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss_fn", "mode"))
-def _longstraw(graphdef, params, prompt, responses, mask, per_response, *, loss_fn, mode):
+def group_gradient(graphdef, params, prompt, length, responses, mask, per_response, *, loss_fn, mode,
+                   temperature=1.0):
+    """The traced core (call it inside a jit): sum over the group of `loss_fn`'s losses and their gradient.
+
+    prompt [P] (real tokens up to `length`, padding after), responses [G, R], mask [G, R],
+    per_response: pytree of [G, ...]. loss_fn(logp [R], entropy [R], mask [R], extra) -> (loss, aux).
+    Returns (total loss, gradients like `params`, aux stacked over G)."""
     if mode == "exact":
-        state, pullback = jax.vjp(lambda p: _prompt_state(graphdef, p, prompt), params)
+        state, pullback = jax.vjp(lambda p: _prompt_state(graphdef, p, prompt, length), params)
     else:
-        state = jax.lax.stop_gradient(_prompt_state(graphdef, params, prompt))
+        state = jax.lax.stop_gradient(_prompt_state(graphdef, params, prompt, length))
 
     def one(p, s, tokens, m, extra):
-        return _response_loss(graphdef, p, s, tokens, m, extra, loss_fn)
+        return _response_loss(graphdef, p, s, length, tokens, m, extra, loss_fn, temperature)
 
     def body(carry, xs):
         loss, grads, state_ct = carry
         if mode == "exact":
-            value, (g, ct) = jax.value_and_grad(one, argnums=(0, 1))(params, state, *xs)
+            (value, aux), (g, ct) = jax.value_and_grad(one, argnums=(0, 1), has_aux=True)(params, state, *xs)
             state_ct = _tree_add(state_ct, ct)
         else:
-            value, g = jax.value_and_grad(one)(params, state, *xs)
-        return (loss + value, _tree_add(grads, g), state_ct), None
+            (value, aux), g = jax.value_and_grad(one, has_aux=True)(params, state, *xs)
+        return (loss + value, _tree_add(grads, g), state_ct), aux
 
     zeros = functools.partial(jax.tree.map, jnp.zeros_like)
     start = (jnp.zeros((), jnp.float32), zeros(params), zeros(state) if mode == "exact" else None)
-    (loss, grads, state_ct), _ = jax.lax.scan(body, start, (responses, mask, per_response))
+    (loss, grads, state_ct), aux = jax.lax.scan(body, start, (responses, mask, per_response))
     if mode == "exact":
         (prompt_grads,) = pullback(state_ct)
         grads = _tree_add(grads, prompt_grads)
+    return loss, grads, aux
+
+
+def group_logprobs(graphdef, params, prompt, length, responses, temperature=1.0) -> jax.Array:
+    """The traced core of scoring without a graph: per-token log-probs [G, R] of each response given the
+    prompt (run once) and its own earlier tokens, one response at a time (`lax.map`)."""
+    state = _prompt_state(graphdef, params, prompt, length)
+    model = nnx.merge(graphdef, params)
+    return jax.lax.map(lambda tokens: _replay(model, state, length, tokens, temperature)[0], responses)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss_fn", "mode"))
+def _longstraw(graphdef, params, prompt, responses, mask, per_response, *, loss_fn, mode):
+    loss, grads, _ = group_gradient(graphdef, params, prompt, jnp.int32(prompt.shape[0]), responses, mask,
+                                    per_response, loss_fn=_NoAux(loss_fn), mode=mode)
     return loss, grads
 
 
@@ -188,7 +240,7 @@ def _standard(graphdef, params, prompt, responses, mask, per_response, *, loss_f
         tokens = jnp.concatenate([jnp.broadcast_to(prompt, (g, n)), responses], axis=1)
         positions = jnp.broadcast_to(jnp.arange(n + r, dtype=jnp.int32), tokens.shape)
         hidden, _ = model(tokens, positions, return_hidden=True)
-        logp = _token_logp(model, hidden[:, n - 1:n + r - 1], responses)  # the state before each token
+        logp, _ = _token_outputs(model, hidden[:, n - 1:n + r - 1], responses)  # the state before each token
         return jax.vmap(loss_fn)(logp, mask, per_response).sum()
 
     return jax.value_and_grad(total)(params)

@@ -48,7 +48,7 @@ from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import (DEFAULT_RULES, ActivationSharding, Rules, from_host, host_value, place_copy,
                                        put, spec_for, state_shardings)
-from tiderl_jax.rl import losses
+from tiderl_jax.rl import losses, shared_prompt
 from tiderl_jax.rl.advantages import GROUP_ESTIMATORS, gae, token_level_rewards
 from tiderl_jax.rl.batch import PackedBatch, pack
 
@@ -74,17 +74,27 @@ class TrainerConfig:
     micro_rows: int = 8  # rows per micro-batch (gradient accumulation over micro-batches)
     temperature: float = 1.0  # the rollout temperature (log-probs of the sampling distribution)
     decoupled: bool = True  # decoupled PPO: weight tokens by pi_prox / pi_behav (truncated)
+    # LongStraw in the step (rl/shared_prompt.py): GRPO groups sharing a prompt of at least
+    # `shared_prompt_min_tokens` tokens run it once; "exact" equals the packed gradient, "approximate"
+    # holds the prompt state constant (the paper's mode); "off" packs every sample as a full sequence.
+    shared_prompt: str = "off"
+    shared_prompt_min_tokens: int = 256
 
     def __post_init__(self):
         problems = []
         for name in ("learning_rate", "grad_clip", "temperature"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} must be > 0")
-        for name in ("row_len", "micro_rows", "total_steps"):
+        for name in ("row_len", "micro_rows", "total_steps", "shared_prompt_min_tokens"):
             if not getattr(self, name) >= 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 <= self.warmup_steps < self.total_steps:
             problems.append(f"warmup_steps={self.warmup_steps} must be in [0, total_steps={self.total_steps})")
+        if self.shared_prompt not in shared_prompt.MODES:
+            problems.append(f"shared_prompt={self.shared_prompt!r} is not one of {shared_prompt.MODES}")
+        elif self.shared_prompt != "off" and self.loss.advantage_estimator == "gae":
+            problems.append(f"shared_prompt={self.shared_prompt!r} trains GRPO groups; PPO's value head "
+                            "(advantage_estimator='gae') is trained on packed rows only: set shared_prompt='off'")
         if self.loss.aggregation == "sequence":
             problems.append("aggregation='sequence' is a per-row mean, which packed rows (several "
                             "sequences per row) do not have; use 'token' or 'constant'")
@@ -178,17 +188,38 @@ def _micro_loss(graphdefs, cfg: TrainerConfig, kind: str, params, micro, num_tok
                              num_sequences=num_sequences)
 
 
-def _train_program(graphdefs, tx, cfg: TrainerConfig, kind: str, params, opt_state, batch):
+def _shared_loss(cfg: TrainerConfig) -> shared_prompt.ResponseLoss:
+    """A shared response's loss: the packed path's, with "constant" aggregation's default length the
+    packed rows' length (the T a packed micro-batch would normalise by)."""
+    loss = cfg.loss
+    if loss.aggregation == "constant" and loss.norm_len is None:
+        loss = dataclasses.replace(loss, norm_len=cfg.row_len)
+    return shared_prompt.ResponseLoss(loss, cfg.decoupled)
+
+
+def _train_program(graphdefs, tx, cfg: TrainerConfig, kind: str, params, opt_state, batch, shared=()):
+    """`batch`: the packed micro-batches (absent when every sample is in a shared group) and the step's
+    counts; `shared`: the shared groups' stacked shape classes (`rl/shared_prompt.py`)."""
     batch = dict(batch)
     num_tokens, num_sequences = batch.pop("num_tokens"), batch.pop("num_sequences")
     grad_fn = jax.value_and_grad(functools.partial(_micro_loss, graphdefs, cfg, kind), has_aux=True)
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
     def body(acc, micro):
         (_, metrics), grads = grad_fn(params, micro, num_tokens, num_sequences)
         return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), metrics
 
-    grads, per_micro = jax.lax.scan(body, zeros, batch)
+    parts = []
+    if "tokens" in batch:
+        grads, per_micro = jax.lax.scan(body, grads, batch)
+        parts.append(per_micro)
+    if shared:
+        shared_grads, per_response = shared_prompt.class_gradients(
+            graphdefs[0], _shared_loss(cfg), cfg.shared_prompt, cfg.temperature, params, shared,
+            num_tokens, num_sequences)
+        grads = jax.tree.map(jnp.add, grads, shared_grads)
+        parts.extend(per_response)
+    per_micro = {k: jnp.concatenate([p[k] for p in parts]) for k in parts[0]}
     weights = per_micro["tokens"] / jnp.maximum(per_micro["tokens"].sum(), 1)
     metrics = {k: v.sum() if k in _ADDITIVE else (v * weights).sum() for k, v in per_micro.items()}
     grad_norm = optax.tree.norm(grads)
@@ -387,14 +418,40 @@ class Trainer:
         logp, values = self._program(key, build)(params, batch)
         return host_value(logp), None if values is None else host_value(values)
 
+    def _put_shared(self, classes: list[dict]) -> list[dict]:
+        """The shared groups' stacked arrays on the train mesh, replicated (each group is scanned whole)."""
+        if self.mesh is None:
+            return [{k: jnp.asarray(v) for k, v in c.items()} for c in classes]
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        return [{k: from_host(v, rep) for k, v in c.items()} for c in classes]
+
+    def score_shared(self, shared: shared_prompt.SharedBatch, params=None) -> list[np.ndarray]:
+        """Per-token log-probs [n, G, R] of each shape class of shared groups under `params` (default: the
+        current policy), each prompt run once and every response replayed on its K/V, without a graph."""
+        params = self.params if params is None else params
+        classes = self._put_shared([{k: c[k] for k in ("prompt", "length", "responses")} for c in shared.classes])
+
+        def build():
+            fn = functools.partial(shared_prompt.score_classes, self.graphdef, self.config.temperature)
+            if self.mesh is None:
+                return jax.jit(fn)
+            rep = NamedSharding(self.mesh, PartitionSpec())
+            return jax.jit(fn, in_shardings=(self._shardings(params), jax.tree.map(lambda _: rep, classes)),
+                           out_shardings=rep)
+        key = ("score_shared", tuple(c["responses"].shape + c["prompt"].shape[1:] for c in shared.classes))
+        return [host_value(x) for x in self._program(key, build)(params, classes)]
+
     # ------------------------------------------------------------------ steps
 
-    def _run_step(self, kind: str, arrays: dict, num_sequences: int, *, apply: bool = True) -> dict:
-        """One optimizer step on the packed arrays; `apply=False` (a warm-up) runs the same program on copies
-        of the parameters and optimizer state (its inputs are donated) and keeps nothing."""
-        arrays = dict(arrays, num_tokens=np.float32(arrays["mask"].sum()),
-                      num_sequences=np.float32(num_sequences))
+    def _run_step(self, kind: str, arrays: dict, num_sequences: int, *, apply: bool = True,
+                  shared: shared_prompt.SharedBatch | None = None) -> dict:
+        """One optimizer step on the packed arrays (and the shared groups' classes, if any); `apply=False`
+        (a warm-up) runs the same program on copies of the parameters and optimizer state (its inputs are
+        donated) and keeps nothing."""
+        num_tokens = (float(arrays["mask"].sum()) if "mask" in arrays else 0.0) + (shared.num_tokens if shared else 0.0)
+        arrays = dict(arrays, num_tokens=np.float32(num_tokens), num_sequences=np.float32(num_sequences))
         batch = self._put(arrays)
+        classes = self._put_shared(shared.classes) if shared else []
 
         graphdefs, trainable = self._graphdefs(), self._trainable()
 
@@ -404,15 +461,16 @@ class Trainer:
                 return jax.jit(fn, donate_argnums=(0, 1))
             ps, os_ = self._shardings(trainable), self._shardings(self.opt_state)
             rep = NamedSharding(self.mesh, PartitionSpec())
-            return jax.jit(fn, in_shardings=(ps, os_, self._batch_sharding(batch)),
+            return jax.jit(fn, in_shardings=(ps, os_, self._batch_sharding(batch), jax.tree.map(lambda _: rep, classes)),
                            out_shardings=(ps, os_, rep), donate_argnums=(0, 1))
-        key = (kind, tuple(sorted((k, np.shape(v)) for k, v in arrays.items())))
+        key = (kind, tuple(sorted((k, np.shape(v)) for k, v in arrays.items())),
+               tuple(tuple(sorted((k, v.shape) for k, v in c.items())) for c in classes))
         if not apply:
             copies = jax.tree.map(lambda x: x.copy(), (trainable, self.opt_state))
-            jax.block_until_ready(self._program(key, build)(*copies, batch))
+            jax.block_until_ready(self._program(key, build)(*copies, batch, classes))
             return {}
         lr = self.learning_rate()  # read before the step: it donates the optimizer state
-        trainable, self.opt_state, metrics = self._program(key, build)(trainable, self.opt_state, batch)
+        trainable, self.opt_state, metrics = self._program(key, build)(trainable, self.opt_state, batch, classes)
         if self.value_params is not None:
             self.params, self.value_params = trainable
         else:
@@ -444,48 +502,88 @@ class Trainer:
     def rl_step(self, trajectories: Sequence[Trajectory], *, apply: bool = True) -> dict:
         """Packs, scores (proximal and, with a reference model, reference log-probs), computes group
         advantages and takes one optimizer step. Trajectories that cannot be trained on are left out
-        and counted (`dropped`). `apply=False`: the same programs, nothing kept (`warmup`)."""
+        and counted (`dropped`). With `shared_prompt` on, GRPO groups that share a long enough prompt
+        are scored and trained prompt-once (`rl/shared_prompt.py`), the rest packed as always.
+        `apply=False`: the same programs, nothing kept (`warmup`)."""
         cfg = self.config
-        packed = pack(trajectories, row_len=cfg.row_len, micro_rows=cfg.micro_rows, patch_dim=self.patch_dim)
+        shared, rest = None, list(range(len(trajectories)))
+        if cfg.shared_prompt != "off":
+            shared, rest = shared_prompt.split(trajectories, rest, min_tokens=cfg.shared_prompt_min_tokens,
+                                               max_response=cfg.row_len)
+            shared = shared if shared.groups else None
+        sub = [trajectories[i] for i in rest]
+        packed = pack(sub, row_len=cfg.row_len, micro_rows=cfg.micro_rows, patch_dim=self.patch_dim)
         for i, reason in packed.dropped:
-            log.warning("trajectory %s left out of the step: %s", trajectories[i].task_id, reason)
-        if not packed.kept:
+            log.warning("trajectory %s left out of the step: %s", sub[i].task_id, reason)
+        if not packed.kept and shared is None:
             return {"dropped": float(len(packed.dropped)), "skipped": 1.0}
+        # The kept trajectories: the packed ones in placement order, then the shared groups' members.
+        kept = [sub[i] for i in packed.kept]
+        shared_index = list(shared.where) if shared else []
+        kept += [trajectories[i] for i in shared_index]
+        prompt_len = {i: g.prompt_len for g in (shared.groups if shared else []) for i in g.members}
+
+        def per_token(name: str, j: int) -> np.ndarray:  # kept trajectory j's trained span of `name`
+            if j < len(packed.kept):
+                return packed.per_token(name, j)
+            i = shared_index[j - len(packed.kept)]
+            return shared.per_token(name, i, len(trajectories[i].tokens) - prompt_len[i])
+
+        def score(params) -> dict:  # proximal or reference log-probs of both parts
+            out = {"packed": self.score(packed, params) if packed.kept else None}
+            out["shared"] = self.score_shared(shared, params) if shared else []
+            return out
+
+        def store(name: str, scores: dict) -> None:
+            if scores["packed"] is not None:
+                packed.arrays[name] = scores["packed"]
+            for c, x in zip(shared.classes if shared else [], scores["shared"]):
+                c[name] = np.where(c["mask"] > 0, x, 0.0).astype(np.float32)
+
         t0 = time.perf_counter()
         if self.value_params is None:
-            packed.arrays["proximal_logp"] = self.score(packed)
-        else:
+            store("proximal_logp", score(self.params))
+        else:  # PPO with a critic: packed rows only (the config refuses shared_prompt with "gae")
             packed.arrays["proximal_logp"], packed.arrays["old_values"] = self.score_values(packed)
         t_proximal, t_ref = time.perf_counter() - t0, 0.0
-        kept = [trajectories[i] for i in packed.kept]
         has_ref = all(t.info.get("ref_logp") is not None for t in kept)
         if has_ref:  # scored ahead, on the ref's own devices (RA2P decoupled)
             packed.arrays["ref_logp"] = np.zeros_like(packed.arrays["mask"])
-            for j, t in enumerate(kept):
+            for j, t in enumerate(kept[:len(packed.kept)]):
                 m, r, start, n = packed.placements[j]
                 packed.arrays["ref_logp"][m, r, start:start + n] = t.info["ref_logp"]
+            for c in shared.classes if shared else []:
+                c["ref_logp"] = np.zeros_like(c["mask"])
+            for i in shared_index:
+                shared.fill("ref_logp", i, np.asarray(trajectories[i].info["ref_logp"])[prompt_len[i]:])
         elif self.ref_params is not None:
             t0 = time.perf_counter()
-            packed.arrays["ref_logp"] = self.score(packed, self.ref_params)
+            store("ref_logp", score(self.ref_params))
             t_ref, has_ref = time.perf_counter() - t0, True
         rewards = np.asarray([t.reward for t in kept], np.float32)
         if cfg.loss.kl_as_reward and cfg.loss.kl_coef > 0 and has_ref:
             for j in range(len(kept)):
-                k = losses.kl_estimate(packed.per_token("proximal_logp", j), packed.per_token("ref_logp", j),
-                                       cfg.loss.kl_estimator, mask=packed.per_token("mask", j))
+                k = losses.kl_estimate(per_token("proximal_logp", j), per_token("ref_logp", j),
+                                       cfg.loss.kl_estimator, mask=per_token("mask", j))
                 rewards[j] -= cfg.loss.kl_coef * float(jnp.sum(k))
         if self.value_params is None:
-            packed.fill_per_sequence("advantages", group_advantages(cfg.loss, rewards, [t.group for t in kept]))
+            adv = group_advantages(cfg.loss, rewards, [t.group for t in kept])
+            packed.fill_per_sequence("advantages", adv[:len(packed.kept)])
+            for j, i in enumerate(shared_index):
+                a = adv[len(packed.kept) + j]
+                c, g, row = shared.where[i]
+                shared.classes[c]["advantages"][g, row] = a * shared.classes[c]["mask"][g, row]
         else:
             packed.arrays["advantages"], packed.arrays["returns"] = gae_advantages(cfg.loss, packed, rewards)
-        arrays = {k: v for k, v in packed.arrays.items()}
+        arrays = dict(packed.arrays) if packed.kept else {}
         t0 = time.perf_counter()
-        metrics = self._run_step("rl", arrays, packed.num_sequences, apply=apply)
+        metrics = self._run_step("rl", arrays, len(kept), apply=apply, shared=shared)
         if not apply:
             return {}
         # wall seconds of each part (compiles included): what RA2P's cost model reads
         metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()),
-                       time_proximal_s=t_proximal, time_ref_s=t_ref, time_update_s=time.perf_counter() - t0)
+                       time_proximal_s=t_proximal, time_ref_s=t_ref, time_update_s=time.perf_counter() - t0,
+                       shared_groups=float(len(shared.groups) if shared else 0))
         return metrics
 
 
@@ -537,7 +635,7 @@ def _warmup_trajectories(micro: int, config: TrainerConfig) -> list[Trajectory]:
     for i in range(rows):
         t = Trajectory(task_id=f"warmup-{i}", kind="warmup", group=i % 2, reward=float(i % 2))
         prompt, generated = config.row_len // 2, config.row_len - config.row_len // 2
-        t.extend([1] * prompt, generated=False)
+        t.extend([2 + i] + [1] * (prompt - 1), generated=False)  # no shared prompt: the packed programs
         t.extend([1] * generated, generated=True, logprobs=[0.0] * generated, model_logprobs=[0.0] * generated,
                  versions=[0] * generated)
         out.append(t)
