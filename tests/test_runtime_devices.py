@@ -21,12 +21,12 @@ def test_split_meshes_and_moves():
     assert pool.num_groups("rollout") == 2 and pool.num_groups("ref") == 0
     roll, train = pool.mesh("rollout"), pool.mesh("train")
     assert set(roll.devices.flat).isdisjoint(train.devices.flat)
-    assert dict(roll.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
+    assert dict(roll.shape) == {"data": 1, "fsdp": 2, "tensor": 2, "context": 1}
     assert pool.mesh("ref") is None
     moved = pool.moved("train", "rollout")
     assert moved.num_groups("rollout") == 3 and moved.num_groups("train") == 1
     assert len(moved.devices_of("rollout")) == 6
-    assert dict(moved.mesh("rollout").shape) == {"data": 1, "fsdp": 3, "tensor": 2}
+    assert dict(moved.mesh("rollout").shape) == {"data": 1, "fsdp": 3, "tensor": 2, "context": 1}
     back = moved.moved("rollout", "train")
     assert sorted(back.devices_of("train"), key=id) == sorted(pool.devices_of("train"), key=id)
     with pytest.raises(ConfigError, match="has no group"):

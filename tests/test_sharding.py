@@ -102,4 +102,4 @@ def test_mesh_errors_are_clear():
         make_mesh({"fsdp": -1, "tensor": 3})
     with pytest.raises(ConfigError, match="unknown axis name"):
         make_mesh({"fsdp": -1, "pipeline": 2})
-    assert dict(make_mesh({"fsdp": -1, "tensor": 2}).shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert dict(make_mesh({"fsdp": -1, "tensor": 2}).shape) == {"data": 1, "fsdp": 4, "tensor": 2, "context": 1}

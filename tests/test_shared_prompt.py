@@ -88,7 +88,11 @@ def test_exact_mode_equals_the_packed_step_and_approximate_differs():
     ref = nnx.split(init_decoder(CFG, seed=9))[1]
     trainers = {mode: Trainer(init_decoder(CFG, seed=8), _config(mode, loss=loss), ref_params=ref)
                 for mode in ("off", "exact", "approximate")}
+    grads = {mode: t.gradients(_batch()) for mode, t in trainers.items()}  # changes nothing
+    assert float(tree_cosine(grads["exact"]["gradients"], grads["off"]["gradients"])) > 0.99999
+    assert float(tree_cosine(grads["approximate"]["gradients"], grads["off"]["gradients"])) < 0.9999
     metrics = {mode: t.rl_step(_batch()) for mode, t in trainers.items()}
+    assert trainers["off"].step_count == 1
     assert metrics["off"]["shared_groups"] == 0 and metrics["exact"]["shared_groups"] == 3
     for k in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm", "tokens", "sequences"):
         assert metrics["exact"][k] == pytest.approx(metrics["off"][k], rel=1e-4, abs=1e-6), k

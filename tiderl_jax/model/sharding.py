@@ -1,4 +1,4 @@
-"""Logical-axis sharding: parameter axis names -> mesh axes (`data`, `fsdp`, `tensor`).
+"""Logical-axis sharding: parameter axis names -> mesh axes (`data`, `fsdp`, `tensor`, `context`).
 
 Every parameter of the decoder names its axes (`embed`, `vocab`, `mlp`, `q_heads`, `kv_heads`,
 `head_dim`, `norm`, and a vision model's `patch`, `image_patches`); activations and caches use `batch`, `seq`, `cache_seq`. A rule table from the
@@ -25,14 +25,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from tiderl_jax.model.config import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "context")
 
 # FSDP shards the embedding dimension of every weight; tensor parallelism splits heads, the MLP's
-# hidden dimension and the vocabulary (Megatron style). Batch goes over data and fsdp.
+# hidden dimension and the vocabulary (Megatron style). Batch goes over data and fsdp. Context
+# parallelism shards the sequence (a long shared prompt's tokens and K/V: rl/context_parallel.py);
+# every mesh has the axis, of size 1 unless a train mesh asks for more.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
-    ("seq", None),
-    ("cache_seq", None),
+    ("seq", "context"),
+    ("cache_seq", "context"),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -48,7 +50,7 @@ Rules = Sequence[tuple[str, str | Sequence[str] | None]]
 
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh over `devices` (default: all) with axes (data, fsdp, tensor).
+    """A mesh over `devices` (default: all) with axes (data, fsdp, tensor, context).
 
     One axis may be -1: it takes whatever the others leave. The product must equal the device count.
     """

@@ -223,6 +223,8 @@ def _train_program(graphdefs, tx, cfg: TrainerConfig, kind: str, params, opt_sta
     weights = per_micro["tokens"] / jnp.maximum(per_micro["tokens"].sum(), 1)
     metrics = {k: v.sum() if k in _ADDITIVE else (v * weights).sum() for k, v in per_micro.items()}
     grad_norm = optax.tree.norm(grads)
+    if kind == "gradients":  # Trainer.gradients: the summed gradient, nothing updated
+        return grads, dict(metrics, grad_norm=grad_norm, sequences=num_sequences.astype(jnp.float32))
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, new_opt_state = tx.update(grads, opt_state, params)
@@ -323,6 +325,10 @@ class Trainer:
         self.skipped_steps = 0
         self._programs: dict[tuple, object] = {}
         self.compile_s = 0.0  # wall seconds of calls that compiled a program
+        # Set to {} to compile each new program ahead of time and keep XLA's memory analysis of it
+        # here, by program key (benchmarks/long_context.py); None: plain jit.
+        self.program_memory: dict | None = None
+        self._dry_run = False  # memory_plan: compile the step's programs, run none
 
     def learning_rate(self) -> float:
         """The next update's learning rate: the schedule at the optimizer's count of applied updates (a skipped
@@ -381,7 +387,13 @@ class Trainer:
 
         def first_call(*args):
             t0 = time.perf_counter()
-            out = jax.block_until_ready(fn(*args))
+            if self.program_memory is not None:
+                compiled = self._programs[key] = fn.lower(*args).compile()
+                self.program_memory[key] = compiled.memory_analysis()
+                out = (jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(fn, *args))
+                       if self._dry_run else jax.block_until_ready(compiled(*args)))
+            else:
+                out = jax.block_until_ready(fn(*args))
             self.compile_s += time.perf_counter() - t0
             return out
         return first_call
@@ -457,18 +469,22 @@ class Trainer:
 
         def build():
             fn = functools.partial(_train_program, graphdefs, self.tx, self.config, kind)
+            donate = () if kind == "gradients" else (0, 1)
             if self.mesh is None:
-                return jax.jit(fn, donate_argnums=(0, 1))
+                return jax.jit(fn, donate_argnums=donate)
             ps, os_ = self._shardings(trainable), self._shardings(self.opt_state)
             rep = NamedSharding(self.mesh, PartitionSpec())
             return jax.jit(fn, in_shardings=(ps, os_, self._batch_sharding(batch), jax.tree.map(lambda _: rep, classes)),
-                           out_shardings=(ps, os_, rep), donate_argnums=(0, 1))
+                           out_shardings=(ps, rep) if kind == "gradients" else (ps, os_, rep), donate_argnums=donate)
         key = (kind, tuple(sorted((k, np.shape(v)) for k, v in arrays.items())),
                tuple(tuple(sorted((k, v.shape) for k, v in c.items())) for c in classes))
         if not apply:
             copies = jax.tree.map(lambda x: x.copy(), (trainable, self.opt_state))
             jax.block_until_ready(self._program(key, build)(*copies, batch, classes))
             return {}
+        if kind == "gradients":
+            grads, metrics = self._program(key, build)(trainable, self.opt_state, batch, classes)
+            return {"gradients": grads, **{k: float(v) for k, v in metrics.items()}}
         lr = self.learning_rate()  # read before the step: it donates the optimizer state
         trainable, self.opt_state, metrics = self._program(key, build)(trainable, self.opt_state, batch, classes)
         if self.value_params is not None:
@@ -499,7 +515,25 @@ class Trainer:
             self.rl_step(_warmup_trajectories(m, self.config), apply=False)
         return time.perf_counter() - t0
 
-    def rl_step(self, trajectories: Sequence[Trajectory], *, apply: bool = True) -> dict:
+    def memory_plan(self, trajectories: Sequence[Trajectory]) -> dict:
+        """Compiles every program that a step on `trajectories` runs up to its gradient (scoring, the
+        gradient), runs none of them, and returns XLA's memory analysis of each (per device), by program
+        key: whether a step fits before trying it. The optimizer update adds its state, constant in the batch."""
+        saved = self.program_memory, self._programs, self.compile_s
+        self.program_memory, self._programs, self._dry_run = {}, {}, True
+        try:
+            self.gradients(trajectories)
+            return self.program_memory
+        finally:
+            self.program_memory, self._programs, self.compile_s = saved
+            self._dry_run = False
+
+    def gradients(self, trajectories: Sequence[Trajectory]) -> dict:
+        """What `rl_step` would do up to its gradient, changing nothing: {"gradients": the summed float32
+        gradient (before clipping), the step's metrics}. For diagnostics and benchmarks."""
+        return self.rl_step(trajectories, _kind="gradients")
+
+    def rl_step(self, trajectories: Sequence[Trajectory], *, apply: bool = True, _kind: str = "rl") -> dict:
         """Packs, scores (proximal and, with a reference model, reference log-probs), computes group
         advantages and takes one optimizer step. Trajectories that cannot be trained on are left out
         and counted (`dropped`). With `shared_prompt` on, GRPO groups that share a long enough prompt
@@ -577,9 +611,11 @@ class Trainer:
             packed.arrays["advantages"], packed.arrays["returns"] = gae_advantages(cfg.loss, packed, rewards)
         arrays = dict(packed.arrays) if packed.kept else {}
         t0 = time.perf_counter()
-        metrics = self._run_step("rl", arrays, len(kept), apply=apply, shared=shared)
+        metrics = self._run_step(_kind, arrays, len(kept), apply=apply, shared=shared)
         if not apply:
             return {}
+        if _kind != "rl":
+            return metrics
         # wall seconds of each part (compiles included): what RA2P's cost model reads
         metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()),
                        time_proximal_s=t_proximal, time_ref_s=t_ref, time_update_s=time.perf_counter() - t0,
@@ -599,6 +635,7 @@ class Scorer:
         self.patch_dim = model.cfg.image_patch_dim
         self._programs: dict = {}
         self.compile_s = 0.0
+        self.program_memory, self._dry_run = None, False  # as Trainer's
 
     _batch_sharding = Trainer._batch_sharding
     _shardings = Trainer._shardings
