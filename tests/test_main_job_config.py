@@ -155,6 +155,7 @@ def test_a_requested_platform_that_is_missing_is_named_with_its_install_line():
     ("checkpoint", "/nonexistent/ckpt", "checkpoint='/nonexistent/ckpt': no such directory"),
     ("controller.mode", "fast", "controller.mode='fast' is not one of"),
     ("engine.prefill_policy", "greedy", "prefill_policy='greedy'"),
+    ("trainer.shared_prompt", "always", "shared_prompt='always' is not one of"),
 ])
 def test_bad_values_are_named(key, value, needle):
     overrides = {key: value}

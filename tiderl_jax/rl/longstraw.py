@@ -68,7 +68,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import NamedSharding, PartitionSpec
+
 from tiderl_jax.model.decoder import attend
+from tiderl_jax.rl.context_parallel import ContextParallelKV
 
 MODES = ("exact", "approximate")
 
@@ -143,10 +146,24 @@ def _prompt_state(graphdef, params, prompt: jax.Array, length: jax.Array) -> Pro
     the real positions, and the replay masks their keys (`_replay`)."""
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
-    empty = PromptKV.empty(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
-    positions = jnp.arange(prompt.shape[0], dtype=jnp.int32)[None]
-    hidden, kv = model(prompt[None], positions, cache=empty, return_hidden=True)
+    mesh = context_mesh(model)
+    tokens, positions = prompt[None], jnp.arange(prompt.shape[0], dtype=jnp.int32)[None]
+    if mesh is None:
+        empty = PromptKV.empty(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
+    else:  # the prompt's tokens, activations and K/V sharded over the context axis, ring attention
+        empty = ContextParallelKV.empty(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype),
+                                        mesh=mesh, axis="context")
+        seq = NamedSharding(mesh, PartitionSpec(None, "context"))
+        tokens, positions = (jax.lax.with_sharding_constraint(x, seq) for x in (tokens, positions))
+    hidden, kv = model(tokens, positions, cache=empty, return_hidden=True)
     return PromptState(kv=kv, last_hidden=jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=False))
+
+
+def context_mesh(model):
+    """The mesh of a model placed with a context axis of size > 1 (its prompts run context-parallel), else None."""
+    sharding = getattr(model, "activation_sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return mesh if mesh is not None and mesh.shape.get("context", 1) > 1 else None
 
 
 def _replay(model, state: PromptState, length, tokens, temperature):
