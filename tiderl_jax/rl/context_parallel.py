@@ -64,16 +64,18 @@ Where the decoder gets in the way (decoder.py and sharding.py are not changed he
 
 - A model placed with `shard_model` / `init_sharded` carries an `ActivationSharding` that pins the
   hidden states to ("batch", "seq", None) and q to ("batch", "seq", "q_heads", "head_dim") in every
-  layer. With the default rule ("seq", None) that is replicated along the sequence: GSPMD all-gathers
-  each layer's P-token activations (O(P) per device) before the ring re-slices them. Correct, but it
-  loses the memory bound. Fix: a rule ("seq", "context") (and ("cache_seq", "context") for the K/V),
-  which `sharding.rules_from_config` refuses today because `MESH_AXES` is (data, fsdp, tensor), and
-  `make_mesh` builds no `context` axis: both would need the axis added. Until then the context axis
-  can be one of the existing axes, e.g. `axis="fsdp"` with the rules ("seq", "fsdp") and
-  ("cache_seq", "fsdp"): a batch-1 prompt's batch dimension does not take fsdp (1 is not divisible),
-  so the sequence does. With a model that carries no `ActivationSharding` (the unsharded decoder,
-  parameters replicated on the mesh) nothing pins the sequence and the sharding of the prompt tokens
-  propagates.
+  layer, and `PromptKV`'s K/V to ("batch", "kv_heads", "cache_seq", "head_dim"). Its rules must map
+  "seq" (and "cache_seq") to the context axis: under a rule ("seq", None) the pin replicates the
+  sequence and GSPMD all-gathers each layer's P-token activations (O(P) per device) before the ring
+  re-slices them (correct, but the memory bound is lost; checked on the compiled program). The rules
+  name only `sharding.MESH_AXES`, so the context axis must be one of them: `context` where that tuple
+  has it, or an existing axis, e.g. `axis="fsdp"` with ("seq", "fsdp") and ("cache_seq", "fsdp") (a
+  batch-1 prompt's batch dimension does not take fsdp, 1 not being divisible, so the sequence does;
+  `test_sharded_model_with_fsdp_as_the_context_axis`). With a model that carries no
+  `ActivationSharding` (the unsharded decoder, parameters replicated on the mesh) nothing pins the
+  sequence and the prompt tokens' sharding propagates. A sharded model's embedding lookup (its table
+  split over fsdp along embed, tensor along vocab) still makes one [P, embed / fsdp] partial per
+  device before the first layer (GSPMD's choice for the gather; the layers are split after it).
 - RoPE and the positions need nothing: positions [1, P] shard like the tokens and RoPE is
   elementwise along the sequence.
 
