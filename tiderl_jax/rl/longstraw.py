@@ -50,6 +50,13 @@ So approximate mode's peak is nearly independent of G (it never keeps the prompt
 exact mode's is one prompt's activations plus one response's, and the standard gradient's is G
 times (prompt + response). The benchmark `benchmarks/long_context.py` measures all three.
 
+In the train step: `group_gradient` and `group_logprobs` are the traced cores that `rl/shared_prompt.py`
+calls for every GRPO group sharing a prompt (`trainer.shared_prompt`); they take the prompt right-padded
+to a length bucket with its real `length`. A model placed on a mesh whose `context` axis is larger than 1
+runs the prompt context-parallel (`context_mesh`): its tokens, activations and K/V sharded over that axis,
+attention by `rl/context_parallel.py`'s ring, and each replay reading the sharded K/V with log-sum-exp
+merging (`ContextParallelKV` in place of `PromptKV`).
+
 The prompt state is held by `PromptKV`, a small implementation of the decoder's `Cache` protocol
 that concatenates its keys and values with the new tokens' instead of writing into a preallocated
 dense `KVCache`: the same class captures the prompt (starting empty) and replays a response
