@@ -1,6 +1,7 @@
 """WAR's model-free speculative decoding on agentic rollouts: tokens/s plain, speculative and switched, by batch.
 
     python benchmarks/speculative.py [--quick] [--json out.json] [--model tiny|smollm2|both] [--batches 1,4,16,64]
+        [--rounds N]
 
 Workload: real multi-turn agentic rollouts through the rollout loop (`rl/evaluate.sample_groups`: the built-in
 `calculator` and `lookup` tasks, their tools answering between turns), GRPO groups of 4 samples per task, up to 4
@@ -20,6 +21,9 @@ call), `spec` (every decode step speculative at batch <= 16: K = 4 drafts from t
 group and earlier samples, `engine/drafter.py`), `switched` (`speculation="auto"`: WAR's rule per step on the
 engine's measured step times and acceptance, `engine/speculation.py`). Tokens/s: the rollouts' model tokens over
 the wall time of the rollouts minus the seconds spent compiling (measured by the engine, reported as compile_s).
+`--rounds N` runs the three modes N times in rotating order (round r starts with mode r mod 3), so slow and fast
+stretches of a shared machine fall on every mode alike; each mode's tokens/s is its median over the rounds and each
+ratio the median of the per-round ratios (the per-round ratios are in the row too: `ratios_by_round`).
 JSON rows (one per model and batch): model, batch, acceptance_length (tokens emitted per sequence per speculative
 step), tokens_per_s_plain, tokens_per_s_spec, tokens_per_s_switched, spec_vs_plain, switched_vs_plain,
 switched_spec_fraction (share of the switched run's decode steps that speculated), compile_s.
@@ -31,6 +35,7 @@ simulator's WAR mode reads (`SimConfig.spec_accepted_tokens`).
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -83,6 +88,7 @@ def main():
     ap.add_argument("--batches", default="")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 (default): greedy, the three modes generate the same tokens; 1: as RL rollouts sample")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved repeats of the three modes; medians reported")
     ap.add_argument("--record", action="store_true",
                     help="write the tiny model's acceptance at batch <= 16 to tiderl_jax/sim/measured_speculation.json")
     args = ap.parse_args()
@@ -95,16 +101,24 @@ def main():
         model, tok = load(name)
         for batch in batches:
             num_tasks = max(1, 2 * batch // GROUP)
-            res = {mode: run(model, tok, mode, batch, num_tasks, max_new, args.temperature) for mode in MODES}
-            plain = res["plain"]["tokens_per_s"]
-            row = dict(model=name, batch=batch, acceptance_length=res["spec"]["acceptance_length"],
-                       tokens_per_s_plain=plain, tokens_per_s_spec=res["spec"]["tokens_per_s"],
-                       tokens_per_s_switched=res["switched"]["tokens_per_s"],
-                       spec_vs_plain=res["spec"]["tokens_per_s"] / plain,
-                       switched_vs_plain=res["switched"]["tokens_per_s"] / plain,
-                       switched_spec_fraction=res["switched"]["spec_fraction"],
-                       compile_s=sum(r["compile_s"] for r in res.values()),
-                       tokens={m: r["tokens"] for m, r in res.items()})
+            runs = {mode: [] for mode in MODES}
+            order = list(MODES)
+            for r in range(max(1, args.rounds)):
+                for mode in order[r % 3:] + order[:r % 3]:
+                    runs[mode].append(run(model, tok, mode, batch, num_tasks, max_new, args.temperature))
+            rate = {m: [x["tokens_per_s"] for x in v] for m, v in runs.items()}
+            ratios = {m: [a / b for a, b in zip(rate[m], rate["plain"])] for m in ("spec", "switched")}
+            plain = statistics.median(rate["plain"])
+            row = dict(model=name, batch=batch,
+                       acceptance_length=statistics.median(x["acceptance_length"] for x in runs["spec"]),
+                       tokens_per_s_plain=plain, tokens_per_s_spec=statistics.median(rate["spec"]),
+                       tokens_per_s_switched=statistics.median(rate["switched"]),
+                       spec_vs_plain=statistics.median(ratios["spec"]),
+                       switched_vs_plain=statistics.median(ratios["switched"]),
+                       switched_spec_fraction=statistics.median(x["spec_fraction"] for x in runs["switched"]),
+                       compile_s=sum(x["compile_s"] for v in runs.values() for x in v),
+                       rounds=len(runs["plain"]), ratios_by_round=ratios,
+                       tokens={m: [x["tokens"] for x in v] for m, v in runs.items()})
             rows.append(row)
             print(f"{name:8} {batch:>5} {row['acceptance_length']:>7.2f} {plain:>10.1f} {row['tokens_per_s_spec']:>9.1f} "
                   f"{row['tokens_per_s_switched']:>10.1f} {row['spec_vs_plain']:>10.2f} {row['switched_vs_plain']:>12.2f} "
