@@ -18,7 +18,7 @@ def test_main_job_samples_on_the_cpu_default():
              "--config.sample.max_new_tokens=8")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "done: qwen3" in r.stdout and "tokens/s" in r.stdout
-    assert "mesh {'data': 1, 'fsdp': 4, 'tensor': 2}" in r.stdout
+    assert "mesh {'data': 1, 'fsdp': 4, 'tensor': 2, 'context': 1}" in r.stdout
 
 
 def test_unknown_config_key_is_a_named_error():

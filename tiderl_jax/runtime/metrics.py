@@ -45,7 +45,7 @@ _COLORS = {"generate": "tab:blue", "score": "tab:orange", "train": "tab:green", 
 TAG_GROUPS = {
     "train": ("reward", "reward_std", "zero_variance_groups", "loss", "policy_loss", "kl", "entropy", "value_loss",
               "nll", "grad_norm", "skipped", "lr", "clip_fraction", "dual_clip_fraction", "approx_kl", "ratio",
-              "importance_weight", "truncated_fraction", "tokens", "sequences", "dropped", "version"),
+              "importance_weight", "truncated_fraction", "tokens", "sequences", "dropped", "shared_groups", "version"),
     "rollout": ("response_tokens_mean", "response_tokens_max", "turns_mean", "tool_calls_mean", "tool_error_rate",
                 "malformed_turn_rate", "kv_hit_rate", "staleness_mean", "running", "ready_groups", "discarded",
                 "consumed_tokens", "consumed_samples"),
