@@ -126,9 +126,7 @@ def run_case(graphdef, params, mode, group):
     t0 = time.perf_counter()
     compiled = gradient_program(graphdef, mode).lower(params, *group).compile()
     compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes)
+    peak = _peak(compiled.memory_analysis())
     can_reset = _reset_peak_rss()
     rss_before = _status_kib("VmRSS")
     t0 = time.perf_counter()
