@@ -95,6 +95,10 @@ def test_speculation_only_at_small_batches_and_when_it_pays_per_token():
     assert not d.use and d.spec_s_per_token == pytest.approx(0.025)
     assert not use_speculation(8, 0.5, 2.0, 0.25).use  # equal per-token time does not pay
     assert not use_speculation(0, 0.030, 2.5, 0.020).use
+    assert not use_speculation(8, 0.030, 2.5, 0.0125, margin=0.1).use  # 12 ms vs 12.5: saves 4% < 10%
+    assert use_speculation(8, 0.030, 2.5, 0.0125).use
+    with pytest.raises(ValueError, match="margin=1"):
+        use_speculation(8, 0.030, 2.5, 0.020, margin=1)
     with pytest.raises(ValueError, match="accepted_tokens=0"):
         use_speculation(8, 0.030, 0, 0.020)
 

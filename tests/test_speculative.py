@@ -215,6 +215,23 @@ def test_the_switch_measures_both_kinds_then_follows_wars_rule():
     assert SpecSwitch("on", 16, (1, 4, 16)).decide(16) is True
 
 
+def test_the_switch_needs_a_margin_to_turn_on_and_measures_acceptance_per_batch_class():
+    sw = SpecSwitch("auto", max_batch=16, classes=(1, 4, 16), probe_every=1000, margin=0.1)
+    for batch in (1, 4):
+        sw.record_decode(batch, True, 0.010)
+    sw.record_spec(4, 0.019, emitted_per_seq=2.0)  # 0.0095 s per token: 5% faster, inside the margin
+    assert sw.decide(4) is False and "10% under" in sw.last.reason
+    sw.record_spec(1, 0.012, emitted_per_seq=3.0)  # batch 1 accepts more: batch 4's acceptance is its own
+    assert sw.accepted == {1: 3.0, 4: 2.0}
+    assert sw.decide(1) is True and sw.decide(4) is False
+    sw.t_spec[4] = 0.016  # 0.008 s per token: 20% faster, it turns on
+    assert sw.decide(4) is True
+    sw.t_spec[4] = 0.019  # back to 5% faster: once on, it stays on while speculation saves anything
+    assert sw.decide(4) is True
+    sw.t_spec[4] = 0.021  # 0.0105 s per token: slower, off
+    assert sw.decide(4) is False
+
+
 def test_the_switch_probes_the_kind_it_did_not_choose():
     sw = SpecSwitch("auto", max_batch=16, classes=(1, 4, 16), probe_every=4)
     sw.record_decode(1, True, 0.01)

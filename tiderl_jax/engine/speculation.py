@@ -13,9 +13,13 @@ sequences; else on when the measured seconds of a speculative step per emitted t
 measured seconds of a plain decode step, at the same batch size class and in the same regime: a plain call
 runs `decode_steps` steps when nothing else waits (its dispatch and host work amortized over them) but
 one step while prefills are pending, and a speculative call always runs one. Measurements are moving
-averages of this engine's own steps (host work included: drafting, batching, the device call); a class
-with no measurement of one kind runs that kind once, and every `probe_every`-th decision runs the other
-kind so that both stay current. Steps that compiled a program are not measured.
+averages of this engine's own steps (host work included: drafting, batching, the device call), and the
+acceptance too is measured per batch class (a batch of one drafts from the tail of a long task, a larger
+batch from sequences that may be anywhere). A class with no measurement of one kind runs that kind once,
+and every `probe_every`-th decision runs the other kind so that both stay current. Steps that compiled a
+program are not measured. The measurements are noisy (a shared host, step times of a few ms), so the
+switch turns speculation on only when it saves `margin` of a plain step, and turns it off again only when
+it no longer saves anything: a measured tie leaves it where it is.
 """
 
 from __future__ import annotations
@@ -35,15 +39,15 @@ class SpecSwitch:
     """WAR's per-step speculation switch over measured step times and acceptance."""
 
     def __init__(self, mode: str, max_batch: int, classes: Sequence[int], probe_every: int = 64,
-                 smoothing: float = 0.2):
+                 smoothing: float = 0.2, margin: float = 0.1):
         self.mode, self.max_batch, self.classes = mode, max_batch, tuple(classes)
-        self.probe_every, self.smoothing = probe_every, smoothing
+        self.probe_every, self.smoothing, self.margin = probe_every, smoothing, margin
         self.t_decode: dict[tuple[int, bool], float] = {}  # (batch class, multi-step) -> seconds per plain step
         self.t_spec: dict[int, float] = {}  # batch class -> seconds per speculative step
-        self.accepted: float | None = None  # tokens emitted per sequence per speculative step
+        self.accepted: dict[int, float] = {}  # batch class -> tokens emitted per sequence per speculative step
         self.last: war.SpecDecision | None = None
         self._decisions = 0
-        self._last_use = False
+        self._last_use: dict[int, bool] = {}  # batch class -> what the rule chose last
 
     def _class(self, batch: int) -> int:
         return bucket(min(batch, self.classes[-1]), self.classes)
@@ -59,14 +63,15 @@ class SpecSwitch:
         self._decisions += 1
         if (c, multi_step) not in self.t_decode:
             use = False
-        elif c not in self.t_spec or self.accepted is None:
+        elif c not in self.t_spec:
             use = True
         elif self._decisions % self.probe_every == 0:
-            use = not self._last_use  # refresh the measurement of the kind not chosen lately
+            use = not self._last_use.get(c, False)  # refresh the measurement of the kind not chosen lately
         else:
-            self.last = war.use_speculation(batch, self.t_spec[c], self.accepted, self.t_decode[c, multi_step],
-                                            self.max_batch)
-            use = self._last_use = self.last.use
+            on = self._last_use.get(c, False)
+            self.last = war.use_speculation(batch, self.t_spec[c], self.accepted[c], self.t_decode[c, multi_step],
+                                            self.max_batch, margin=0.0 if on else self.margin)
+            use = self._last_use[c] = self.last.use
         return use
 
     def _average(self, table: dict, c: int, value: float) -> None:
@@ -79,8 +84,7 @@ class SpecSwitch:
 
     def record_spec(self, batch: int, seconds: float, emitted_per_seq: float) -> None:
         self._average(self.t_spec, self._class(batch), seconds)
-        a = self.accepted
-        self.accepted = emitted_per_seq if a is None else a + self.smoothing * (emitted_per_seq - a)
+        self._average(self.accepted, self._class(batch), emitted_per_seq)
 
 
 class SpeculativeDecoding:

@@ -183,6 +183,7 @@ class SpecDecision:
     decode_s_per_token: float  # T_decode(B)
     effective_batch: int
     spec_max_batch: int
+    margin: float = 0.0  # the fraction of the plain step's time speculation must save
 
     @property
     def reason(self) -> str:
@@ -192,23 +193,33 @@ class SpecDecision:
         if self.effective_batch > self.spec_max_batch:
             return f"batch {self.effective_batch} > {self.spec_max_batch}"
         relation = "<" if self.use else ">="
-        return f"{self.spec_s_per_token:.4g}s {relation} {self.decode_s_per_token:.4g}s per token"
+        bar = self.decode_s_per_token * (1 - self.margin)
+        within = f" ({self.margin:.0%} under {self.decode_s_per_token:.4g}s)" if self.margin else ""
+        return f"{self.spec_s_per_token:.4g}s {relation} {bar:.4g}s per token{within}"
 
 
 def use_speculation(effective_batch: int, t_spec_s: float, accepted_tokens: float, t_decode_s: float,
-                    spec_max_batch: int = SPEC_MAX_BATCH) -> SpecDecision:
-    """Speculate iff `effective_batch <= spec_max_batch` and `t_spec_s / accepted_tokens < t_decode_s`."""
+                    spec_max_batch: int = SPEC_MAX_BATCH, margin: float = 0.0) -> SpecDecision:
+    """Speculate iff `effective_batch <= spec_max_batch` and
+    `t_spec_s / accepted_tokens < t_decode_s * (1 - margin)`.
+
+    `margin` (0 in the paper's rule) is for a caller deciding on noisy measurements: speculation must
+    save that fraction of a plain step before it is chosen, so a measured tie does not flip the switch.
+    """
     if effective_batch < 0:
         raise ValueError(f"use_speculation: effective_batch={effective_batch} must be >= 0")
     for name, v in (("t_spec_s", t_spec_s), ("t_decode_s", t_decode_s), ("accepted_tokens", accepted_tokens)):
         if not v > 0:
             raise ValueError(f"use_speculation: {name}={v} must be > 0")
-    use = speculation_pays(effective_batch, t_spec_s, accepted_tokens, t_decode_s, spec_max_batch)
-    return SpecDecision(use, t_spec_s / accepted_tokens, t_decode_s, effective_batch, spec_max_batch)
+    if not 0 <= margin < 1:
+        raise ValueError(f"use_speculation: margin={margin} must be in [0, 1)")
+    use = speculation_pays(effective_batch, t_spec_s, accepted_tokens, t_decode_s, spec_max_batch, margin)
+    return SpecDecision(use, t_spec_s / accepted_tokens, t_decode_s, effective_batch, spec_max_batch, margin)
 
 
 def speculation_pays(effective_batch: int, t_spec_s: float, accepted_tokens: float, t_decode_s: float,
-                     spec_max_batch: int = SPEC_MAX_BATCH) -> bool:
+                     spec_max_batch: int = SPEC_MAX_BATCH, margin: float = 0.0) -> bool:
     """`use_speculation`'s rule without its checks and explanation, for a caller that decides at every
     decode event on inputs it made itself (the simulator's replicas)."""
-    return 0 < effective_batch <= spec_max_batch and t_spec_s / accepted_tokens < t_decode_s
+    return (0 < effective_batch <= spec_max_batch
+            and t_spec_s / accepted_tokens < t_decode_s * (1 - margin))
