@@ -9,7 +9,8 @@ turns of at most 96 new tokens (48 with `--quick`). Greedy by default: speculati
 decoding, so the three modes generate the same tokens and their tokens/s compare the same work; `--temperature 1`
 samples as RL rollouts do (each mode then draws other samples, so its rollouts differ in length and turns, which
 moves tokens/s by tens of percent from run to run on its own). At batch B the engine runs at most B
-sequences at once (`max_running=B`) and is given 2B sessions (at least one group), so it decodes at about B.
+sequences at once (`max_running=B`) and is given 2B sessions, and at least `--min_tasks` groups (8: a run
+long enough for the switch's measurements to settle), so it decodes at about B.
 Models:
 - `tiny`: the main job's warm-started policy (`checkpoints/tiny_agentic_sft`, trained on these tasks: its outputs
   are tool calls, arguments and answers in the built-in byte tokenizer), on one CPU device;
@@ -88,6 +89,8 @@ def main():
     ap.add_argument("--batches", default="")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 (default): greedy, the three modes generate the same tokens; 1: as RL rollouts sample")
+    ap.add_argument("--min_tasks", type=int, default=8,
+                    help="tasks per run at least (x 4 samples): the switch measures both kinds before it chooses, so a run of a few hundred tokens shows its learning, not its choice")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved repeats of the three modes; medians reported")
     ap.add_argument("--record", action="store_true",
                     help="write the tiny model's acceptance at batch <= 16 to tiderl_jax/sim/measured_speculation.json")
@@ -100,7 +103,7 @@ def main():
     for name in (("tiny", "smollm2") if args.model == "both" else (args.model,)):
         model, tok = load(name)
         for batch in batches:
-            num_tasks = max(1, 2 * batch // GROUP)
+            num_tasks = max(args.min_tasks, 2 * batch // GROUP)
             runs = {mode: [] for mode in MODES}
             order = list(MODES)
             for r in range(max(1, args.rounds)):

@@ -1,11 +1,12 @@
 """Paged attention: the fast path equals the obviously-correct reference; page writes land where they should."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tiderl_jax.engine.paged_attention import (PAGED_ATTENTION, TRASH_PAGE, paged_attention_reference,
-                                               paged_attention_xla, write_pages)
+                                               paged_attention_xla, resolve_impl, write_pages)
 from tiderl_jax.model.decoder import attend
 
 
@@ -54,3 +55,48 @@ def test_write_pages_places_tokens_and_sends_padding_to_trash():
 def test_pallas_hook_says_how_to_plug_a_kernel():
     with pytest.raises(NotImplementedError, match="register_paged_attention"):
         PAGED_ATTENTION["pallas"](*_case(0))
+
+
+# ------------------------------------------------------------------------------ the CPU kernel (`cpu`)
+
+
+def _kernel():
+    from tiderl_jax.engine import cpu_attention
+    assert cpu_attention.available(), f"the CPU kernel did not build: {cpu_attention.unavailable_reason()}"
+    return cpu_attention
+
+
+@pytest.mark.parametrize("seed,shape", [(0, {}), (1, dict(t=1, heads=9, kvh=3, d=64, ps=16, pages=40, width=6)),
+                                        (2, dict(b=5, t=16, heads=6, kvh=1, d=16)),
+                                        (3, dict(t=1, heads=2, kvh=2, d=7, ps=3, width=9, pages=30))])
+def test_cpu_kernel_equals_reference(seed, shape):
+    kernel = _kernel()
+    args = _case(seed, **shape)
+    np.testing.assert_allclose(np.asarray(jax.jit(kernel.paged_attention_cpu)(*args)),
+                               np.asarray(paged_attention_reference(*args)), atol=2e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_reads_only_the_rows_own_pages_up_to_each_query():
+    """Pages past a row's keys, and other rows' pages, may hold anything (NaN here): the kernel never reads them."""
+    kernel = _kernel()
+    q, k_pool, v_pool, table, starts = _case(5, b=2, t=2, width=4, pages=12, ps=4)
+    starts = jnp.asarray([0, 5], jnp.int32)  # row 0 sees keys 0..1 (page 0 of its table), row 1 keys 0..6
+    used = {int(table[0, 0]), int(table[1, 0]), int(table[1, 1])}
+    poison = jnp.asarray([p not in used for p in range(k_pool.shape[0])])[:, None, None, None]
+    k_bad, v_bad = jnp.where(poison, jnp.nan, k_pool), jnp.where(poison, jnp.nan, v_pool)
+    out = np.asarray(kernel.paged_attention_cpu(q, k_bad, v_bad, table, starts))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, np.asarray(paged_attention_reference(q, k_pool, v_pool, table, starts)),
+                               atol=2e-5)
+
+
+def test_auto_takes_the_kernel_on_one_cpu_device_and_xla_elsewhere():
+    _kernel()
+    assert resolve_impl("auto", sharded=False, dtype="float32") == "cpu"
+    assert resolve_impl("auto", sharded=True, dtype="float32") == "xla"
+    assert resolve_impl("auto", sharded=False, dtype="bfloat16") == "xla"
+    assert resolve_impl("reference", sharded=False, dtype="float32") == "reference"
+    # a prefill chunk (more than MAX_QUERY_TOKENS queries per row) goes to the xla implementation
+    args = _case(6, t=_kernel().MAX_QUERY_TOKENS + 1, width=8)
+    np.testing.assert_allclose(np.asarray(PAGED_ATTENTION["cpu"](*args)),
+                               np.asarray(paged_attention_reference(*args)), atol=1e-5)

@@ -21,7 +21,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     reuse_stale_prefix_cache: bool = False
     on_update: str = "continue"  # "continue" | "abort"
-    attention_impl: str = "xla"  # "xla" | "reference" | "pallas"
+    # "auto": the CPU kernel on one CPU device (float32), else "xla"; or one of "xla", "cpu", "reference", "pallas"
+    # (engine/paged_attention.py)
+    attention_impl: str = "auto"
     max_stop_ids: int = 8
     # How far apart the shape buckets are (each bucket is one compiled program per shape): 2 = powers of
     # two (decode's attention span 1.5x apart); 4 = powers of four everywhere: about a sixth of the programs
@@ -42,9 +44,9 @@ class EngineConfig:
             raise ValueError(f"prefill_policy={self.prefill_policy!r} is not 'static' or 'ppas'")
         if self.speculation not in ("off", "on", "auto"):
             raise ValueError(f"speculation={self.speculation!r} is not 'off', 'on' or 'auto'")
-        from tiderl_jax.engine.paged_attention import PAGED_ATTENTION
-        if self.attention_impl not in PAGED_ATTENTION:
-            raise ValueError(f"attention_impl={self.attention_impl!r} is not one of {sorted(PAGED_ATTENTION)}")
+        from tiderl_jax.engine.paged_attention import AUTO, PAGED_ATTENTION
+        if self.attention_impl not in (AUTO, *PAGED_ATTENTION):
+            raise ValueError(f"attention_impl={self.attention_impl!r} is not one of {[AUTO, *sorted(PAGED_ATTENTION)]}")
         for name in ("page_size", "num_pages", "max_seq_len", "max_running", "prefill_chunk", "max_prefill_rows",
                      "prefill_budget", "decode_steps", "spec_tokens", "spec_max_batch"):
             if getattr(self, name) < 1:

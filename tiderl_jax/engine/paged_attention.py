@@ -8,9 +8,14 @@ and unused page-table entries point there; it is never read unmasked.
 Implementations (selected by name, so a kernel can be plugged in without touching the model):
 - `reference`: per row, concatenate the row's pages into a contiguous K/V and run the plain
   attention. Obviously correct; slow; used by tests.
-- `xla` (default): one gather of all rows' pages, one masked attention. Portable and fast on CPU.
+- `xla`: one gather of all rows' pages, one masked attention. Portable; every backend.
+- `cpu`: a C++ kernel that reads each row's pages in place (`cpu_attention.py`, `paged_attention.cc`, an
+  XLA FFI custom call built at first use) for decode and verify calls; prefill chunks go to `xla`.
 - `pallas`: the hook for a fused ragged paged-attention kernel on GPU/TPU; register one with
   `register_paged_attention("pallas", fn)` (same signature as `paged_attention_xla`).
+
+`EngineConfig.attention_impl="auto"` (the default) takes `cpu` for an engine on one CPU device with a
+float32 model when the kernel builds, else `xla` (`resolve_impl`).
 """
 
 from __future__ import annotations
@@ -73,11 +78,29 @@ def _pallas_unavailable(*args):
         "or use attention_impl='xla'")
 
 
+def _cpu(*args):
+    from tiderl_jax.engine.cpu_attention import paged_attention_cpu
+    return paged_attention_cpu(*args)
+
+
 PAGED_ATTENTION: dict[str, Callable] = {
     "reference": paged_attention_reference,
     "xla": paged_attention_xla,
+    "cpu": _cpu,
     "pallas": _pallas_unavailable,
 }
+AUTO = "auto"
+
+
+def resolve_impl(name: str, *, sharded: bool, dtype) -> str:
+    """The implementation an engine runs: `name` itself, or for "auto" the CPU kernel where it applies
+    (one CPU device, float32, the kernel built) and `xla` elsewhere."""
+    if name != AUTO:
+        return name
+    if sharded or jax.default_backend() != "cpu" or jnp.dtype(dtype) != jnp.float32:
+        return "xla"
+    from tiderl_jax.engine.cpu_attention import available
+    return "cpu" if available() else "xla"
 
 
 def register_paged_attention(name: str, fn: Callable) -> None:

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from tiderl_jax.engine.buckets import bucket, half_pow2_buckets, pow2_buckets  # noqa: F401 (re-exported)
-from tiderl_jax.engine.paged_attention import PagedKV, write_pages
+from tiderl_jax.engine.paged_attention import PagedKV, resolve_impl, write_pages
 from tiderl_jax.engine.sampling import row_keys, sample, verify_drafts
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import place_copy, spec_for
@@ -115,17 +115,17 @@ def _write_sequence(k_pages, v_pages, k, v, page_row, length):
 class ModelRunner:
     """Owns the parameters and the page pools on the engine's devices; runs the two programs."""
 
-    def __init__(self, model: Decoder, *, num_pages: int, page_size: int, attention_impl: str = "xla",
+    def __init__(self, model: Decoder, *, num_pages: int, page_size: int, attention_impl: str = "auto",
                  max_stop_ids: int = 8):
         cfg = model.cfg
         self.max_stop_ids = max_stop_ids
         self.cfg = cfg
         self.page_size = page_size
         self.num_pages = num_pages
-        self.impl = attention_impl
+        act = model.activation_sharding
+        self.impl = resolve_impl(attention_impl, sharded=act is not None, dtype=cfg.dtype)
         self.graphdef, self.params = nnx.split(model)
         shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
-        act = model.activation_sharding
         if act is not None:
             spec = spec_for(shape, (None, "kv_heads", None, "head_dim"), act.rules, act.mesh)
             self.pool_sharding = NamedSharding(act.mesh, spec)

@@ -1,0 +1,98 @@
+"""The `cpu` paged-attention implementation: `paged_attention.cc` as an XLA FFI custom call.
+
+On XLA:CPU the `xla` implementation's gather of every row's pages into a dense span (and the dots over
+that copy) costs as much as the weight matmuls of a SmolLM2 decode step at batch 4 with 1K-token contexts,
+and grows with the padded span. The kernel reads each row's own pages in place with an online softmax.
+
+It is compiled at first use with the system's C++ compiler (`$CXX`, else `g++`) against the FFI headers
+that jaxlib ships, for this machine's CPU, into `$TIDERL_KERNEL_CACHE` (default
+`~/.cache/tiderl_jax/kernels`), keyed by the source, the flags and the CPU; a missing compiler or a failed
+build leaves `available()` False with the reason in `unavailable_reason()`, and the engine's `auto`
+choice falls back to `xla`. Used for calls of at most `MAX_QUERY_TOKENS` tokens per row (decode and
+speculative verification); a longer chunk (prefill) goes to the `xla` implementation, whose dots do
+better on many queries. Float32 only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("paged_attention.cc")
+TARGET = "tiderl_paged_attention"
+MAX_QUERY_TOKENS = 8
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
+_reason: list[str] = []
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build() -> Path:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (set CXX or install g++)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_key().encode() + cxx.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("TIDERL_KERNEL_CACHE", Path.home() / ".cache" / "tiderl_jax" / "kernels"))
+    lib = cache / f"paged_attention_{key}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)  # built aside, then renamed: concurrent builders are safe
+    os.close(fd)
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+    os.replace(tmp, lib)
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA (built on the first call)."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TiderlPagedAttention), platform="cpu")
+        return True
+    except Exception as e:  # a missing compiler, a failed build: the engine uses the `xla` implementation
+        _reason.append(f"{type(e).__name__}: {e}")
+        logging.warning("CPU paged-attention kernel unavailable, using the XLA implementation: %s", _reason[-1])
+        return False
+
+
+def unavailable_reason() -> str | None:
+    return _reason[-1] if _reason else None
+
+
+def paged_attention_cpu(q, k_pool, v_pool, page_table, starts):
+    """Same contract as `paged_attention_reference`; calls of more than MAX_QUERY_TOKENS tokens per row, and
+    other dtypes than float32, go to the `xla` implementation."""
+    from tiderl_jax.engine.paged_attention import paged_attention_xla
+
+    if q.shape[1] > MAX_QUERY_TOKENS or not all(x.dtype == jnp.float32 for x in (q, k_pool, v_pool)):
+        return paged_attention_xla(q, k_pool, v_pool, page_table, starts)
+    if not available():
+        raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {unavailable_reason()}")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_pool, v_pool, page_table.astype(np.int32), starts.astype(np.int32))
