@@ -100,3 +100,17 @@ def test_auto_takes_the_kernel_on_one_cpu_device_and_xla_elsewhere():
     args = _case(6, t=_kernel().MAX_QUERY_TOKENS + 1, width=8)
     np.testing.assert_allclose(np.asarray(PAGED_ATTENTION["cpu"](*args)),
                                np.asarray(paged_attention_reference(*args)), atol=1e-5)
+
+
+def test_a_failed_kernel_build_names_the_command_and_the_compilers_error(tmp_path, monkeypatch):
+    from tiderl_jax.engine import cpu_attention
+    bad = tmp_path / "bad.cc"
+    bad.write_text("this is not C++;\n")
+    monkeypatch.setattr(cpu_attention, "SOURCE", bad)
+    monkeypatch.setenv("TIDERL_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match=r"bad\.cc .*failed: .*error"):
+        cpu_attention._build()
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing half-built is left for a later load
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler .*no-such-compiler"):
+        cpu_attention._build()

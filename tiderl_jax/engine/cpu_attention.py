@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -34,8 +35,9 @@ SOURCE = Path(__file__).with_name("paged_attention.cc")
 TARGET = "tiderl_paged_attention"
 MAX_QUERY_TOKENS = 8
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
+         "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-w")
 _reason: list[str] = []
+_lock = threading.Lock()  # one build and one registration per process, whichever thread asks first
 
 
 def _cpu_key() -> str:
@@ -48,8 +50,8 @@ def _cpu_key() -> str:
 
 def _build() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler (set CXX or install g++)")
+    if not cxx or not shutil.which(cxx):
+        raise RuntimeError(f"no C++ compiler{f' {cxx!r}' if cxx else ''} found (set CXX or install g++)")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_key().encode() + cxx.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("TIDERL_KERNEL_CACHE", Path.home() / ".cache" / "tiderl_jax" / "kernels"))
@@ -63,14 +65,20 @@ def _build() -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+        raise RuntimeError(f"{' '.join(cmd)} failed: {'; '.join(errors[:3]) or done.stderr.strip()[-500:]}")
     os.replace(tmp, lib)
     return lib
 
 
-@functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered with XLA (built on the first call)."""
+    with _lock:
+        return _load()
+
+
+@functools.cache
+def _load() -> bool:
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TiderlPagedAttention), platform="cpu")
