@@ -39,7 +39,7 @@ class SpecSwitch:
     """WAR's per-step speculation switch over measured step times and acceptance."""
 
     def __init__(self, mode: str, max_batch: int, classes: Sequence[int], probe_every: int = 64,
-                 smoothing: float = 0.2, margin: float = 0.1):
+                 smoothing: float = 0.2, margin: float = war.SPEC_MARGIN):
         self.mode, self.max_batch, self.classes = mode, max_batch, tuple(classes)
         self.probe_every, self.smoothing, self.margin = probe_every, smoothing, margin
         self.t_decode: dict[tuple[int, bool], float] = {}  # (batch class, multi-step) -> seconds per plain step

@@ -41,6 +41,7 @@ import math
 from typing import Mapping, Sequence
 
 SPEC_MAX_BATCH = 16  # the paper: speculation pays at effective batches of about 16 or fewer
+SPEC_MARGIN = 0.1  # ours: the engine switch turns speculation on only when it saves this share of a plain step
 
 
 @dataclasses.dataclass(frozen=True)
