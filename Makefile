@@ -1,6 +1,7 @@
 # Two entry points, each self-sufficient on a fresh machine with Python >= 3.11:
 #   make run   - the main job: on the GPU / TPU when JAX finds one (docs/running.md), else the CPU default
-#   make test  - the test suite (always on the CPU: it is written for the 8 faked CPU devices)
+#   make test  - the unit and integration tests, minutes (always on the CPU: written for 8 faked CPU devices)
+#   make test-e2e - the end-to-end checks: whole runs as subprocesses (CI runs both)
 # Both create (or reuse) the local virtual environment .venv and install the package into it.
 
 PYTHON ?= python3
@@ -16,7 +17,7 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES ?= 0
 
-.PHONY: run test venv clean
+.PHONY: run test test-e2e venv clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -33,14 +34,15 @@ venv: $(CORE)
 run: $(CORE)
 	$(VENV)/bin/python launch/train.py --config=configs/tiny_agentic.py $(ARGS)
 
-# The suite runs in two pytest processes (test files a-m, then the rest; exit status 5, "no test selected" by ARGS,
-# counts as a pass): one process segfaulted inside XLA at the same point of three cold-cache runs, 97% in
-# (tests/test_visual.py compiling in the engine's worker thread), while those tests pass in smaller groups.
-TESTS_A := $(wildcard tests/test_[a-m]*.py)
-TESTS_B := $(filter-out $(TESTS_A),$(wildcard tests/test_*.py))
+# Two tiers (tests/conftest.py: the e2e marker): `make test`, every module's unit and integration tests at small
+# sizes, over two pytest-xdist workers (compiles are single-threaded: two processes keep both cores busy);
+# `make test-e2e`, whole runs in subprocesses (the main job interrupted and resumed, several processes, the
+# visual warm start, killed runs, real-model launches). Exit status 5, "no test selected" by ARGS, is a pass.
 test: $(CORE)
-	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q $(TESTS_A) $(ARGS); s=$$?; [ $$s -eq 0 ] || [ $$s -eq 5 ] || exit $$s
-	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q $(TESTS_B) $(ARGS); s=$$?; [ $$s -eq 0 ] || [ $$s -eq 5 ] || exit $$s
+	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q -n 2 $(ARGS); s=$$?; [ $$s -eq 0 ] || [ $$s -eq 5 ] || exit $$s
+
+test-e2e: $(CORE)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q -m 'e2e and not slow' $(ARGS); s=$$?; [ $$s -eq 0 ] || [ $$s -eq 5 ] || exit $$s
 
 clean:
 	rm -rf $(VENV) .jax_cache

@@ -198,6 +198,7 @@ def _dropped(ledger):
     return sum(v for k, v in ledger.items() if k.startswith("dropped:") and k != "dropped:stale")
 
 
+@pytest.mark.e2e
 def test_environment_crashes_are_recovered_and_every_sample_is_accounted_for(tmp_path):
     # real built-in tasks in environment subprocesses (Belayer checkpoints); a killer SIGKILLs a
     # random live environment process every 0.2 s while the run goes on
@@ -237,6 +238,7 @@ def test_environment_crashes_are_recovered_and_every_sample_is_accounted_for(tmp
     assert all(np.isfinite(t.reward) for g in c.ready for t in g.trajectories)
 
 
+@pytest.mark.e2e
 def test_engine_worker_killed_mid_run_fails_over_and_the_run_completes(tmp_path):
     # the rollout engine in a worker process with a warm standby; SIGKILL the primary once
     # generations are in flight: the standby takes over from the token checkpoints

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # make test-e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -27,6 +27,7 @@ ENGINE = EngineConfig(page_size=16, num_pages=512, max_seq_len=1024, max_running
                       decode_steps=4, bucket_growth=4)
 
 
+@pytest.mark.e2e
 def test_a_training_run_trains_on_exactly_the_tokens_served_to_the_agent(tmp_path, monkeypatch):
     from tiderl_jax.rl.losses import LossConfig
     from tiderl_jax.rl.trainer import TrainerConfig

@@ -269,6 +269,7 @@ def test_smollm2_logits_match_transformers(smol):
     np.testing.assert_allclose(logits[0, SMOL["prompt_top_ids"]], SMOL["prompt_top_logits"], atol=2e-3)
 
 
+@pytest.mark.e2e
 def test_generate_launch_runs_the_gguf_chat_greedy(tmp_path):
     """launch/generate.py --checkpoint=FILE.gguf --chat: the checkpoint's template renders the prompt, the
     engine's greedy tokens equal transformers'; with stop tokens on, it stops at <|im_end|>."""

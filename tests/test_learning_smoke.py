@@ -15,8 +15,12 @@ import importlib.util
 import math
 import pathlib
 
+import pytest
+
 from tiderl_jax.model.config import ModelConfig
 from tiderl_jax.rl.losses import LossConfig
+
+pytestmark = pytest.mark.e2e  # make test-e2e
 
 _PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "learning.py"
 _spec = importlib.util.spec_from_file_location("learning_benchmark", _PATH)

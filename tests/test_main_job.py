@@ -14,6 +14,8 @@ import time
 import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.e2e  # make test-e2e
+
 TINY = ["--config.controller.steps=3", "--config.eval.tasks=4", "--config.eval.every=2", "--config.eval.during_tasks=2",
         "--config.controller.groups_per_step=2",
         "--config.controller.group_size=2", "--config.controller.max_concurrent=8", "--config.rollout.max_turns=2",

@@ -38,6 +38,7 @@ def _train(tmp_path, *args, timeout=600):
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_the_main_job_trains_on_a_jsonl_file_scored_by_a_verl_reward_file(tmp_path):
     data = _dataset(tmp_path / "train.jsonl")

@@ -23,10 +23,16 @@ def _models():
 MODELS = _models()
 
 
+@nnx.jit
+def _call(model, tokens, positions, **kw):
+    """The model's forward as one program (eager, every op of every new shape compiles on its own)."""
+    return model(tokens, positions, **kw)
+
+
 def _full(model, tokens, start=0):
     tokens = jnp.asarray(tokens)
     pos = jnp.broadcast_to(jnp.arange(start, start + tokens.shape[1]), tokens.shape)
-    return np.asarray(model(tokens, pos)[0])
+    return np.asarray(_call(model, tokens, pos)[0])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -38,10 +44,10 @@ def test_cached_decode_equals_full_forward_token_by_token(name):
     cache = KVCache.init(model.cfg, 2, 32)
     prefix = 7
     pos = jnp.broadcast_to(jnp.arange(prefix), (2, prefix))
-    got, cache = model(jnp.asarray(tokens[:, :prefix]), pos, cache=cache)
+    got, cache = _call(model, jnp.asarray(tokens[:, :prefix]), pos, cache=cache)
     np.testing.assert_allclose(np.asarray(got), want[:, :prefix], atol=1e-5, rtol=0)
     for t in range(prefix, 20):
-        step, cache = model(jnp.asarray(tokens[:, t:t + 1]), jnp.full((2, 1), t), cache=cache)
+        step, cache = _call(model, jnp.asarray(tokens[:, t:t + 1]), jnp.full((2, 1), t), cache=cache)
         np.testing.assert_allclose(np.asarray(step)[:, 0], want[:, t], atol=1e-5, rtol=0,
                                    err_msg=f"{name}: decode step {t}")
     assert np.asarray(cache.lengths).tolist() == [20, 20]
@@ -59,14 +65,14 @@ def test_ragged_prefill_then_decode(name):
         padded[i, :n] = seqs[i][:n]
     cache = KVCache.init(model.cfg, 2, 32)
     pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
-    logits, cache = model(jnp.asarray(padded), pos, cache=cache, num_new=jnp.asarray(lens))
+    logits, cache = _call(model, jnp.asarray(padded), pos, cache=cache, num_new=jnp.asarray(lens))
     assert np.asarray(cache.lengths).tolist() == lens
     for i, n in enumerate(lens):
         np.testing.assert_allclose(np.asarray(logits)[i, :n], _full(model, seqs[i][None, :n])[0],
                                    atol=1e-5, rtol=0)
     for k in range(3):  # decode the remaining 3 tokens of each row together
         tok = np.asarray([[seqs[i][n + k]] for i, n in enumerate(lens)], np.int32)
-        step, cache = model(jnp.asarray(tok), cache.lengths[:, None], cache=cache)
+        step, cache = _call(model, jnp.asarray(tok), cache.lengths[:, None], cache=cache)
         for i, n in enumerate(lens):
             want = _full(model, seqs[i][None, : n + k + 1])[0, -1]
             np.testing.assert_allclose(np.asarray(step)[i, 0], want, atol=1e-5, rtol=0)
@@ -82,11 +88,11 @@ def test_packed_sequences_do_not_attend_across_segments(name):
     packed = np.concatenate([a, b, np.zeros(pad, np.int32)])[None]
     segs = np.asarray([[1] * 9 + [2] * 6 + [0] * pad])
     pos = np.asarray([list(range(9)) + list(range(6)) + list(range(pad))])
-    got = np.asarray(model(jnp.asarray(packed), jnp.asarray(pos), segment_ids=jnp.asarray(segs))[0])
+    got = np.asarray(_call(model, jnp.asarray(packed), jnp.asarray(pos), segment_ids=jnp.asarray(segs))[0])
     np.testing.assert_allclose(got[0, :9], _full(model, a[None])[0], atol=1e-5, rtol=0)
     np.testing.assert_allclose(got[0, 9:15], _full(model, b[None])[0], atol=1e-5, rtol=0)
     # Without segment ids the second sequence would see the first: the test can fail.
-    unpacked = np.asarray(model(jnp.asarray(packed), jnp.asarray(pos))[0])
+    unpacked = np.asarray(_call(model, jnp.asarray(packed), jnp.asarray(pos))[0])
     assert np.abs(unpacked[0, 9:15] - got[0, 9:15]).max() > 1e-3
 
 

@@ -102,6 +102,7 @@ def test_local_cluster_refuses_what_it_cannot_split():
 # ---------------------------------------------------------------------- the runtime, several processes
 
 
+@pytest.mark.e2e
 def test_every_process_gets_every_value_and_process_0s_decision():
     out = _cluster(2, "tests/multihost_worker.py", "exchange")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -114,6 +115,7 @@ def test_every_process_gets_every_value_and_process_0s_decision():
         assert r["shards"] == [f"item{i}" for i in range(7)]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_every_process_applies_process_0s_decisions_when_its_own_signals_say_otherwise(tmp_path):
     # the real controller on the simulated backend, ERS on; process 1's own rule never moves
@@ -129,6 +131,7 @@ def test_every_process_applies_process_0s_decisions_when_its_own_signals_say_oth
     assert results[0]["ledger"]["completed"] >= len(consumed)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_bidirl_borrows_are_process_0s_and_made_by_every_process(tmp_path):
     # the JAX backend, borrows forced on process 0 and refused by process 1's own rule: the rollout borrows the
@@ -145,6 +148,7 @@ def test_bidirl_borrows_are_process_0s_and_made_by_every_process(tmp_path):
     assert results[0]["loss"] == results[1]["loss"]
 
 
+@pytest.mark.e2e
 def test_a_process_that_dies_ends_the_others_within_the_heartbeat_naming_it():
     t0 = time.monotonic()
     out = _cluster(2, "tests/multihost_worker.py", "die", "--heartbeat_timeout_s=4", timeout=120)
@@ -166,6 +170,7 @@ def _updates(logdir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("mode, steps", [("tiderl", 2), ("sync", 3)])  # each mode's first update with a GRPO signal
 def test_the_main_job_on_2_and_4_processes_trains_as_on_one(tmp_path, mode, steps):
@@ -203,6 +208,7 @@ def _kill_process(logdir, index: int) -> None:
     raise AssertionError(f"no process {index} of the run in {logdir}")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(1200)
 def test_a_killed_process_ends_the_run_and_the_same_command_resumes_it(tmp_path):
     logdir = tmp_path / "run"

@@ -323,6 +323,7 @@ def test_ers_moves_whole_replicas_between_rollout_and_training(tmp_path, monkeyp
     assert service.counters["rerouted"] == 0
 
 
+@pytest.mark.e2e
 def test_each_replica_s_worker_fails_over_to_its_own_standby(tmp_path):
     """Belayer per replica: every rollout device group's replica is an engine worker with a warm standby; SIGKILL
     one replica's primary mid-run: its standby takes over (token checkpoints), the other replica never notices,

@@ -125,6 +125,35 @@ def test_rl_step_changes_params_and_metrics_are_finite():
     assert any(not np.array_equal(a, b) for a, b in zip(before, _params(trainer)))
 
 
+def test_ctrl_c_as_the_step_program_returns_leaves_the_step_applied_and_the_state_saveable():
+    """The step donates its parameters and optimizer state: Ctrl-C between the program's return and the
+    stores must not leave the trainer holding deleted arrays (the main job saves them on Ctrl-C)."""
+    import signal
+
+    trainer = Trainer(init_decoder(CFG, seed=5), _config())
+    before = _params(trainer)
+    real = trainer._program
+
+    def program(key, build):
+        fn = real(key, build)
+        if key[0] != "rl":  # the scoring programs before it
+            return fn
+
+        def call(*args):
+            out = fn(*args)  # the inputs are donated now
+            signal.raise_signal(signal.SIGINT)  # Python raises it at its next check, inside this frame
+            return out
+        return call
+    trainer._program = program
+    with pytest.raises(KeyboardInterrupt):
+        trainer.rl_step(TRAJS)
+    assert trainer.step_count == 1
+    after = _params(trainer)  # raises "Array has been deleted" when the stores were skipped
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(trainer.opt_state))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_equal_rewards_give_zero_advantage_and_no_update():
     trainer = Trainer(init_decoder(CFG, seed=6), _config(loss=LossConfig()))
     same = [_traj(i, 10, 1.0, 0) for i in range(4)]

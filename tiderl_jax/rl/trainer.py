@@ -43,6 +43,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from tiderl_jax import interrupts
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.decoder import Decoder
@@ -486,13 +487,14 @@ class Trainer:
             grads, metrics = self._program(key, build)(trainable, self.opt_state, batch, classes)
             return {"gradients": grads, **{k: float(v) for k, v in metrics.items()}}
         lr = self.learning_rate()  # read before the step: it donates the optimizer state
-        trainable, self.opt_state, metrics = self._program(key, build)(trainable, self.opt_state, batch, classes)
-        if self.value_params is not None:
-            self.params, self.value_params = trainable
-        else:
-            self.params = trainable
+        with interrupts.deferred():  # Ctrl-C after the donation but before the stores would lose the state
+            trainable, self.opt_state, metrics = self._program(key, build)(trainable, self.opt_state, batch, classes)
+            if self.value_params is not None:
+                self.params, self.value_params = trainable
+            else:
+                self.params = trainable
+            self.step_count += 1
         metrics = dict({k: float(v) for k, v in metrics.items()}, lr=lr)
-        self.step_count += 1
         if metrics["skipped"]:
             self.skipped_steps += 1
             log.warning("step %d: non-finite loss (%s) or gradient norm (%s); update skipped "
