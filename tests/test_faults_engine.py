@@ -85,6 +85,7 @@ def _wait_for(predicate, timeout_s=60.0):
         time.sleep(0.005)
 
 
+@pytest.mark.e2e
 def test_killed_worker_fails_over_to_the_standby_with_token_checkpoints():
     spec = WorkerSpec(CFG, ENGINE, step_delay_s=0.05)
     client = EngineClient(spec, ParamService(MODEL, version=0), standby=True)
@@ -121,6 +122,7 @@ def test_killed_worker_fails_over_to_the_standby_with_token_checkpoints():
         client.wait(greedy)  # delivered exactly once
 
 
+@pytest.mark.e2e
 def test_hung_worker_is_declared_failed_by_health_checks_and_replaced_cold():
     # also: a request the worker refuses comes back as a RequestError, the worker serving on
     spec = WorkerSpec(CFG, ENGINE, step_delay_s=0.05)
