@@ -34,7 +34,7 @@ venv: $(CORE)
 run: $(CORE)
 	$(VENV)/bin/python launch/train.py --config=configs/tiny_agentic.py $(ARGS)
 
-# Two tiers (tests/conftest.py: the e2e marker): `make test`, every module's unit and integration tests at small
+# Two tiers (the e2e marker, registered in pyproject.toml): `make test`, every module's unit and integration tests at small
 # sizes, over two pytest-xdist workers (compiles are single-threaded: two processes keep both cores busy);
 # `make test-e2e`, whole runs in subprocesses (the main job interrupted and resumed, several processes, the
 # visual warm start, killed runs, real-model launches). Exit status 5, "no test selected" by ARGS, is a pass.

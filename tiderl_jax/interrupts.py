@@ -16,9 +16,9 @@ import threading
 
 @contextlib.contextmanager
 def deferred():
-    """Holds SIGINT until the block ends, then delivers it to the handler that was installed before. Only
-    the main thread receives signals: elsewhere (and under a handler that is not Python's default, such as
-    asyncio's, which cancels tasks instead of raising) the block runs unchanged."""
+    """Holds SIGINT until the block ends, then raises KeyboardInterrupt as the default handler it stood in
+    for would have. Only the main thread receives signals: elsewhere (and under a handler that is not Python's
+    default, such as asyncio's, which cancels tasks instead of raising) the block runs unchanged."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
