@@ -236,7 +236,7 @@ def warm_start(tok, args):
         print(f"warm start: {args.warm_from}", flush=True)
         return nnx.split(load_hf_checkpoint(args.warm_from, dtype=MODEL.dtype))[1]
     warm = Trainer(init_decoder(MODEL, seed=0), TrainerConfig(
-        learning_rate=3e-3, warmup_steps=10, total_steps=max(args.sft_steps, 11), row_len=1024))
+        learning_rate=3e-3, lr_schedule="cosine", warmup_steps=10, total_steps=max(args.sft_steps, 11), row_len=1024))
     key = f"{MODEL.hidden_size}x{MODEL.num_layers}_{'-'.join(args.tasks)}_{args.sft_steps}x{args.sft_batch}"
     cache = Checkpointer(os.path.join(args.warm_cache, key), keep=1, async_save=False)
     if cache.latest_step() is not None:

@@ -137,7 +137,7 @@ def supervised(s: Settings, engine: Engine, tok: Tokenizer) -> tuple[Decoder, di
     """The warm start, stopped at the target (module docstring, step 2): the model and a record."""
     t0 = time.perf_counter()
     trainer = Trainer(init_decoder(s.model, seed=s.seed), TrainerConfig(
-        learning_rate=s.sft_lr, warmup_steps=min(20, s.sft_steps - 1), total_steps=s.sft_steps,
+        learning_rate=s.sft_lr, lr_schedule="cosine", warmup_steps=min(20, s.sft_steps - 1), total_steps=s.sft_steps,
         row_len=s.sft_row_len, micro_rows=s.micro_rows))
     probe_tasks = train_tasks([TASK], 0, s.probe_tasks, s.seed + 1)  # another train stream
     curve, probes = [], []
@@ -162,7 +162,8 @@ def supervised(s: Settings, engine: Engine, tok: Tokenizer) -> tuple[Decoder, di
 def reinforce(s: Settings, model: Decoder, engine: Engine, tok: Tokenizer) -> dict:
     """Held-out before, GRPO from `model`, held-out after (module docstring, steps 3-5)."""
     trainer = Trainer(model, TrainerConfig(
-        loss=s.loss, learning_rate=s.rl_lr, warmup_steps=min(5, s.iterations - 1), total_steps=s.iterations,
+        loss=s.loss, learning_rate=s.rl_lr, lr_schedule="cosine", warmup_steps=min(5, s.iterations - 1),
+        total_steps=s.iterations,
         row_len=s.row_len, micro_rows=s.micro_rows, temperature=s.temperature))
     start_params = jax.tree.map(jnp.copy, trainer.params)  # the train step donates trainer.params
     _publish(engine, trainer)

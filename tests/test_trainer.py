@@ -1,5 +1,6 @@
 """The trainer: packing, scoring, the accumulated and sharded train step, SFT, bad input."""
 
+import dataclasses
 import logging
 
 import jax
@@ -179,14 +180,31 @@ def test_non_finite_loss_skips_the_update_and_the_run_goes_on(caplog):
 
 
 def test_each_update_reports_its_learning_rate_and_a_skipped_one_does_not_advance_it():
-    cfg = _config(warmup_steps=2)
+    cfg = _config(warmup_steps=2, lr_schedule="cosine")
     trainer = Trainer(init_decoder(CFG, seed=10), cfg)
     bad = [_traj(i, 10, r, 0) for i, r in enumerate([1.0, float("nan"), 0.0])]
-    # warmup from 0: the first update's rate is 0, the second half the peak (1e-2)
+    # a warm-up that does not start at 0: a third of the peak (1e-2), two thirds, then the peak
     lrs = [trainer.rl_step(batch)["lr"] for batch in (TRAJS, bad, TRAJS, TRAJS)]
-    assert lrs == pytest.approx([0.0, 5e-3, 5e-3, 1e-2])
+    assert lrs == pytest.approx([1e-2 / 3, 2e-2 / 3, 2e-2 / 3, 1e-2])
     next_lr = float(lr_schedule(cfg)(3))
     assert trainer.learning_rate() == pytest.approx(next_lr) and next_lr < 1e-2  # the cosine decay began
+
+
+@pytest.mark.parametrize("name", ["constant", "cosine", "linear"])
+def test_the_schedules_over_a_short_run(name):
+    peak, total = 1e-3, 6
+    lr = lr_schedule(TrainerConfig(learning_rate=peak, lr_schedule=name, warmup_steps=1, total_steps=total,
+                                   end_lr_ratio=0.1))
+    rates = [float(lr(k)) for k in range(total)]
+    assert rates[0] == pytest.approx(peak / 2) and rates[1] == pytest.approx(peak)  # no update at rate 0
+    if name == "constant":
+        assert rates[1:] == pytest.approx([peak] * (total - 1))
+    else:  # from the peak after the warm-up to end_lr_ratio of it at the run's last update, falling
+        assert rates[-1] == pytest.approx(0.1 * peak) and all(a > b for a, b in zip(rates[1:], rates[2:]))
+        mid = 0.55 * peak if name == "cosine" else peak + (0.1 * peak - peak) * 0.5
+        assert float(lr(3)) == pytest.approx(mid)  # half-way through the decay
+    with pytest.raises(ConfigError, match="lr_schedule='step' is not one of"):
+        TrainerConfig(lr_schedule="step")
 
 
 def test_empty_and_overlong_batches_are_reported_not_raised():
@@ -278,3 +296,60 @@ def test_warmup_loads_the_step_programs_and_changes_nothing():
     scorer.warmup([2])
     loaded = scorer.compile_s
     assert all(x is not None for x in scorer.score_trajectories(TRAJS)) and scorer.compile_s == loaded
+
+
+def test_no_reference_pass_when_no_loss_term_reads_it():
+    ref = nnx.split(init_decoder(CFG, seed=12))[1]
+    without = Trainer(init_decoder(CFG, seed=11), _config(loss=LossConfig(kl_coef=0.0)), ref_params=ref)
+    with_kl = Trainer(init_decoder(CFG, seed=11), _config(loss=LossConfig(kl_coef=0.1)), ref_params=ref)
+    a, b = without.rl_step(TRAJS), with_kl.rl_step(TRAJS)
+    assert a["time_ref_s"] == 0.0 and a.get("kl", 0.0) == 0.0
+    assert b["time_ref_s"] > 0.0 and b["kl"] > 0.0
+    assert Trainer(init_decoder(CFG, seed=11), _config(loss=LossConfig(kl_coef=0.0))).ref_params is None
+
+
+def _on_policy(trainer, trajectories, version, noise=0.0):
+    """Copies of `trajectories` sampled by `version` whose behaviour log-probs are the trainer's own (plus noise)."""
+    out = []
+    rng = np.random.default_rng(5)
+    p = pack(trajectories, row_len=trainer.config.row_len, micro_rows=trainer.config.micro_rows)
+    logp = trainer.score(p)
+    for j, i in enumerate(p.kept):
+        t = Trajectory.from_dict(trajectories[i].to_dict())
+        own = logp[p.placements[j][0], p.placements[j][1], p.placements[j][2]:][:len(t.tokens)]
+        t.logprobs = [float(x + noise * rng.standard_normal()) if m else 0.0 for x, m in zip(own, t.loss_mask)]
+        t.versions = [version if m else -1 for m in t.loss_mask]
+        out.append(t)
+    return out
+
+
+def test_an_on_policy_batch_skips_the_proximal_pass_and_updates_as_with_it():
+    cfg = _config(loss=LossConfig(kl_coef=0.0))
+    always = Trainer(init_decoder(CFG, seed=13), dataclasses.replace(cfg, recompute_proximal="always"))
+    auto = Trainer(init_decoder(CFG, seed=13), cfg)
+    always.policy_version = auto.policy_version = 3
+    batch = _on_policy(always, TRAJS, 3)
+    m_always, m_auto = always.rl_step(batch), auto.rl_step(batch)
+    assert m_always["proximal_recomputed"] == 1.0 and m_auto["proximal_recomputed"] == 0.0
+    assert m_auto["on_policy"] == 1.0 and m_auto["time_proximal_s"] < 0.01
+    # the engine-vs-trainer difference on the same tokens is measured where the pass runs on-policy
+    diff = m_always["behaviour_logp_diff_p99"]
+    assert 0.0 <= m_always["behaviour_logp_diff_mean"] <= diff < 1e-5
+    for a, b in zip(_params(always), _params(auto)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert auto.policy_version == always.policy_version == 4  # each applied step advances it
+    # the next batch sampled by version 3 is off-policy for version 4: "auto" recomputes
+    assert auto.rl_step(batch)["proximal_recomputed"] == 1.0
+    # with behaviour log-probs off by a measured amount, the update moves by no more than that drift
+    never = Trainer(init_decoder(CFG, seed=13), dataclasses.replace(cfg, recompute_proximal="never"))
+    exact = Trainer(init_decoder(CFG, seed=13), dataclasses.replace(cfg, recompute_proximal="always"))
+    never.policy_version = exact.policy_version = 0
+    noisy = _on_policy(exact, TRAJS, 0, noise=1e-3)
+    m_exact, m_never = exact.rl_step(noisy), never.rl_step(noisy)
+    assert m_never["proximal_recomputed"] == 0.0 and 5e-4 < m_exact["behaviour_logp_diff_mean"] < 2e-3
+    assert m_never["loss"] == pytest.approx(m_exact["loss"], abs=5e-3)
+    step = [np.abs(a - b).max() for a, b in zip(_params(exact), _params(Trainer(init_decoder(CFG, seed=13), cfg)))]
+    gap = [np.abs(a - b).max() for a, b in zip(_params(exact), _params(never))]
+    assert max(gap) < 0.1 * max(step)
+    with pytest.raises(ConfigError, match="recompute_proximal='sometimes'"):
+        TrainerConfig(recompute_proximal="sometimes")

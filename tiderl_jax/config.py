@@ -116,7 +116,7 @@ def one_gpu_host(c: ConfigDict, *, tensor: int, context: int) -> ConfigDict:
     train 2), `tensor` parallelism within a group, contexts of `context` tokens."""
     c.controller.update(mode="tiderl", steps=200, groups_per_step=32, group_size=8, max_concurrent=512,
                         device_group_size=2, rollout_groups=2, ref_groups=0, train_groups=2, tensor=tensor,
-                        checkpoint_every=20)
+                        checkpoint_every=20, filter_groups=True)
     c.engine.update(page_size=16, num_pages=16384, max_seq_len=context, max_running=256, prefill_chunk=1024,
                     prefill_budget=8192, decode_steps=8)
     c.rollout.update(max_turns=8, max_new_tokens=512, max_context=context, temperature=1.0)
@@ -306,8 +306,8 @@ def rl_configs(c: ConfigDict):
         values["seed"] = values.get("seed", 0) + c.get("seed", 0)
         return RolloutConfig(**values)
     rollout = typed("rollout", RolloutConfig, rollout_config)
-    warm = typed("trainer", TrainerConfig, lambda: dataclasses.replace(
-        trainer, learning_rate=c.sft.learning_rate, row_len=c.sft.row_len,
+    warm = typed("trainer", TrainerConfig, lambda: dataclasses.replace(  # supervised: decays over its steps
+        trainer, learning_rate=c.sft.learning_rate, row_len=c.sft.row_len, lr_schedule="cosine",
         warmup_steps=min(trainer.warmup_steps, max(c.sft.steps - 1, 0)), total_steps=max(c.sft.steps, 1)),
         {**derived, "learning_rate": "sft.learning_rate", "row_len": "sft.row_len", "total_steps": "sft.steps"})
     return controller, trainer, engine, rollout, warm

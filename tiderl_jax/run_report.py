@@ -84,12 +84,13 @@ def ledger_accounts(ledger: dict, *, unfinished: int, trained: int, ready: int, 
     admitted, completed = ledger.get("admitted", 0), ledger.get("completed", 0)
     dropped = {k.split(":", 1)[1]: v for k, v in sorted(ledger.items()) if k.startswith("dropped:") and v}
     stale = dropped.pop("stale", 0)
+    uninformative = dropped.pop("zero_variance", 0)  # completed first, like the stale ones
     return dict(
         admitted=admitted, completed=completed, dropped=dropped, unfinished=unfinished,
         unexplained=admitted - completed - sum(dropped.values()) - unfinished,
-        completed_as=dict(trained=trained, dropped_stale=stale, ready_at_end=ready, in_unfinished_groups=waiting,
-                          lost_at_interruptions=interrupted,
-                          unexplained=completed - trained - stale - ready - waiting - interrupted))
+        completed_as=dict(trained=trained, dropped_stale=stale, dropped_zero_variance=uninformative, ready_at_end=ready,
+                          in_unfinished_groups=waiting, lost_at_interruptions=interrupted,
+                          unexplained=completed - trained - stale - uninformative - ready - waiting - interrupted))
 
 
 def ledger_lines(acc: dict) -> list[str]:
@@ -102,7 +103,9 @@ def ledger_lines(acc: dict) -> list[str]:
              + (f" + unexplained {acc['unexplained']}" if acc["unexplained"] else ""))
     c = acc["completed_as"]
     second = (f"completed {acc['completed']} = trained {c['trained']} + dropped as stale {c['dropped_stale']} + "
-              f"ready at the end {c['ready_at_end']} + in groups not yet complete {c['in_unfinished_groups']}"
+              + (f"dropped with all rewards equal {c['dropped_zero_variance']} + "
+                 if c.get("dropped_zero_variance") else "")
+              + f"ready at the end {c['ready_at_end']} + in groups not yet complete {c['in_unfinished_groups']}"
               + (f" + lost when RL was interrupted {c['lost_at_interruptions']}"
                  if c["lost_at_interruptions"] else "")
               + (f" + unexplained {c['unexplained']}" if c["unexplained"] else ""))

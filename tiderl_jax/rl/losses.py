@@ -124,6 +124,12 @@ class LossConfig:
         if problems:
             raise ConfigError("invalid loss config: " + "; ".join(problems))
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a loss term or the reward reads the reference model's log-probs (the KL, in the loss or as a
+        reward penalty): without one the reference is never scored."""
+        return self.kl_coef > 0
+
 
 def from_config_dict(values: Mapping[str, Any], *, source: str = "config.loss") -> LossConfig:
     """Builds a `LossConfig` from an ml_collections ConfigDict or a dict; unknown keys are an error."""

@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 # Metrics that are already normalised by the whole step's counts: micro-batch values add up.
 _ADDITIVE = ("loss", "policy_loss", "kl", "entropy", "value_loss", "nll", "tokens")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+RECOMPUTE = ("auto", "always", "never")
 _INPUTS = ("tokens", "positions", "segment_ids", "patches", "patch_index")  # the image ones: if present
 
 
@@ -64,9 +66,13 @@ _INPUTS = ("tokens", "positions", "segment_ids", "patches", "patch_index")  # th
 class TrainerConfig:
     loss: losses.LossConfig = losses.LossConfig()
     learning_rate: float = 1e-4
-    warmup_steps: int = 10
-    total_steps: int = 1000  # length of the cosine schedule
-    end_lr_ratio: float = 0.1  # final learning rate / peak
+    # the schedule (`lr_schedule`): "constant" (RL's usual choice: veRL's actor default), or "cosine" /
+    # "linear" decay to `end_lr_ratio` of the peak by the run's last update; after `warmup_steps` updates
+    # of linear warm-up that does not start at 0 (update k < warmup_steps runs at (k + 1) / (warmup_steps + 1))
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1000  # the run's updates: where a decay ends
+    end_lr_ratio: float = 0.1  # the last update's learning rate / peak, with a decay
     weight_decay: float = 0.0  # AdamW, on matrices only (not norms, biases)
     b1: float = 0.9
     b2: float = 0.999
@@ -75,6 +81,11 @@ class TrainerConfig:
     micro_rows: int = 8  # rows per micro-batch (gradient accumulation over micro-batches)
     temperature: float = 1.0  # the rollout temperature (log-probs of the sampling distribution)
     decoupled: bool = True  # decoupled PPO: weight tokens by pi_prox / pi_behav (truncated)
+    # the proximal pass (the trainer's log-probs of the batch under the weights the step starts from):
+    # "auto" runs it unless the batch is on-policy (every trained token sampled by the engine on exactly these
+    # weights: `Trainer.policy_version`), where the engine's log-probs stand in for it (as Tunix, TRL and slime
+    # do); "always" runs it; "never" trusts the behaviour log-probs whatever their age (PPO against pi_behav)
+    recompute_proximal: str = "auto"
     # LongStraw in the step (rl/shared_prompt.py): GRPO groups sharing a prompt of at least
     # `shared_prompt_min_tokens` tokens run it once; "exact" equals the packed gradient, "approximate"
     # holds the prompt state constant (the paper's mode); "off" packs every sample as a full sequence.
@@ -89,8 +100,14 @@ class TrainerConfig:
         for name in ("row_len", "micro_rows", "total_steps", "shared_prompt_min_tokens"):
             if not getattr(self, name) >= 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
+        if self.lr_schedule not in LR_SCHEDULES:
+            problems.append(f"lr_schedule={self.lr_schedule!r} is not one of {LR_SCHEDULES}")
+        if not 0 <= self.end_lr_ratio <= 1:
+            problems.append(f"end_lr_ratio={self.end_lr_ratio} must be in [0, 1]")
         if not 0 <= self.warmup_steps < self.total_steps:
             problems.append(f"warmup_steps={self.warmup_steps} must be in [0, total_steps={self.total_steps})")
+        if self.recompute_proximal not in RECOMPUTE:
+            problems.append(f"recompute_proximal={self.recompute_proximal!r} is not one of {RECOMPUTE}")
         if self.shared_prompt not in shared_prompt.MODES:
             problems.append(f"shared_prompt={self.shared_prompt!r} is not one of {shared_prompt.MODES}")
         elif self.shared_prompt != "off" and self.loss.advantage_estimator == "gae":
@@ -104,9 +121,24 @@ class TrainerConfig:
 
 
 def lr_schedule(cfg: TrainerConfig) -> optax.Schedule:
-    """The learning rate by applied update (0, 1, ...): linear warmup from 0, then cosine decay."""
-    return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.total_steps,
-                                              end_value=cfg.learning_rate * cfg.end_lr_ratio)
+    """The learning rate by applied update k = 0, 1, ...: during the warm-up (k < W = `warmup_steps`) the peak
+    times (k + 1) / (W + 1), so the first update moves the policy; then the peak ("constant"), or a decay from
+    the peak at k = W to `end_lr_ratio` of it at the run's last update k = `total_steps` - 1 ("cosine",
+    "linear")."""
+    peak, warm = cfg.learning_rate, cfg.warmup_steps
+    end, span = peak * cfg.end_lr_ratio, max(cfg.total_steps - 1 - warm, 1)
+
+    def schedule(count):
+        k = jnp.asarray(count, jnp.float32)
+        frac = jnp.clip((k - warm) / span, 0.0, 1.0)
+        if cfg.lr_schedule == "cosine":
+            after = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+        elif cfg.lr_schedule == "linear":
+            after = peak + (end - peak) * frac
+        else:
+            after = jnp.full_like(k, peak)
+        return jnp.where(k < warm, peak * (k + 1.0) / (warm + 1.0), after)
+    return schedule
 
 
 def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
@@ -303,8 +335,8 @@ class Trainer:
         self.params = place_copy(params, jax.tree.map(lambda x: x.sharding, params))
         self.patch_dim = model.cfg.image_patch_dim  # packs trajectories with images (0: text-only)
         # The reference model: a second parameter set of the same family; with a KL term and none
-        # given, a frozen copy of the starting policy (the usual choice).
-        if ref_params is None and config.loss.kl_coef > 0:
+        # given, a frozen copy of the starting policy (the usual choice). Scored only when the loss reads it.
+        if ref_params is None and config.loss.uses_reference:
             ref_params = place_copy(self.params, jax.tree.map(lambda x: x.sharding, self.params))
         self.ref_params = ref_params
         # PPO with GAE: a value head on the policy's trunk, trained with it (one optimizer state).
@@ -324,6 +356,10 @@ class Trainer:
                 else put(x, rep), self.opt_state)
         self.step_count = 0
         self.skipped_steps = 0
+        # the policy version the parameters are (the engine tags each sampled token with its weights' version):
+        # set by the owner (`JaxBackend`: at the start, a restore) and advanced by each applied RL step; None:
+        # unknown, so no batch counts as on-policy (`recompute_proximal="auto"` then always recomputes)
+        self.policy_version: int | None = None
         self._programs: dict[tuple, object] = {}
         self.compile_s = 0.0  # wall seconds of calls that compiled a program
         # Set to {} to compile each new program ahead of time and keep XLA's memory analysis of it
@@ -576,12 +612,20 @@ class Trainer:
             for c, x in zip(shared.classes if shared else [], scores["shared"]):
                 c[name] = np.where(c["mask"] > 0, x, 0.0).astype(np.float32)
 
+        on_policy = self.policy_version is not None and all(
+            v == self.policy_version for t in kept for v, m in zip(t.versions, t.loss_mask) if m)
+        recompute = (cfg.recompute_proximal == "always" or not apply or self.value_params is not None
+                     or (cfg.recompute_proximal == "auto" and not on_policy))
         t0 = time.perf_counter()
-        if self.value_params is None:
-            store("proximal_logp", score(self.params))
-        else:  # PPO with a critic: packed rows only (the config refuses shared_prompt with "gae")
+        if self.value_params is not None:  # PPO with a critic: packed rows only (no shared_prompt with "gae")
             packed.arrays["proximal_logp"], packed.arrays["old_values"] = self.score_values(packed)
+        elif recompute:
+            store("proximal_logp", score(self.params))
+        else:  # the engine's log-probs of these very weights stand in for the pass
+            store("proximal_logp", {"packed": packed.arrays["behaviour_logp"].copy() if packed.kept else None,
+                                    "shared": [c["behaviour_logp"] for c in (shared.classes if shared else [])]})
         t_proximal, t_ref = time.perf_counter() - t0, 0.0
+        drift = _behaviour_drift(packed) if recompute and on_policy and packed.kept else {}
         has_ref = all(t.info.get("ref_logp") is not None for t in kept)
         if has_ref:  # scored ahead, on the ref's own devices (RA2P decoupled)
             packed.arrays["ref_logp"] = np.zeros_like(packed.arrays["mask"])
@@ -592,7 +636,7 @@ class Trainer:
                 c["ref_logp"] = np.zeros_like(c["mask"])
             for i in shared_index:
                 shared.fill("ref_logp", i, np.asarray(trajectories[i].info["ref_logp"])[prompt_len[i]:])
-        elif self.ref_params is not None:
+        elif self.ref_params is not None and cfg.loss.uses_reference:
             t0 = time.perf_counter()
             store("ref_logp", score(self.ref_params))
             t_ref, has_ref = time.perf_counter() - t0, True
@@ -621,8 +665,20 @@ class Trainer:
         # wall seconds of each part (compiles included): what RA2P's cost model reads
         metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()),
                        time_proximal_s=t_proximal, time_ref_s=t_ref, time_update_s=time.perf_counter() - t0,
-                       shared_groups=float(len(shared.groups) if shared else 0))
+                       shared_groups=float(len(shared.groups) if shared else 0),
+                       proximal_recomputed=float(recompute), on_policy=float(on_policy), **drift)
+        self.policy_version = None if self.policy_version is None else self.policy_version + 1
         return metrics
+
+
+def _behaviour_drift(packed: PackedBatch) -> dict:
+    """|trainer log-prob - engine log-prob| on the trained tokens of an on-policy batch (the same weights on
+    both sides): mean and 99th percentile, what `recompute_proximal="auto"` ignores when it skips the pass."""
+    mask = packed.arrays["mask"] > 0
+    if not mask.any():
+        return {}
+    d = np.abs(packed.arrays["proximal_logp"][mask] - packed.arrays["behaviour_logp"][mask])
+    return {"behaviour_logp_diff_mean": float(d.mean()), "behaviour_logp_diff_p99": float(np.percentile(d, 99))}
 
 
 class Scorer:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Any, Sequence
 
@@ -44,6 +45,7 @@ from tiderl_jax.runtime.pool import Backend, DevicePool, group_mesh, lanes_of, s
 from tiderl_jax.serving.service import RolloutService, ServiceConfig
 
 REPLICAS = ("mesh", "group")
+log = logging.getLogger(__name__)
 
 
 class JaxBackend(HotSwitches):
@@ -76,10 +78,18 @@ class JaxBackend(HotSwitches):
             roll_mesh, train_mesh, ref_mesh = (pool.mesh(r) for r in ("rollout", "train", "ref"))
         self.trainer = Trainer(model_on(graphdef, params, train_mesh, rules), trainer_config,
                                mesh=train_mesh, rules=rules)
-        if self.trainer.ref_params is None:  # RA2P needs a reference model: the starting policy
+        self.trainer.policy_version = 0  # the engines' weights too: each step advances both by one
+        # the reference model exists only when a loss term or the reward reads it (`LossConfig.uses_reference`):
+        # no KL, no reference pass anywhere (RA2P then has nothing to place, and ref devices stay idle)
+        self.uses_reference = trainer_config.loss.uses_reference
+        if self.uses_reference and self.trainer.ref_params is None:  # the starting policy
             self.trainer.ref_params = place_copy(self.trainer.params, _shardings(self.trainer.params))
-        self.ref_scorer = (Scorer(model_on(graphdef, params, ref_mesh, rules), trainer_config,
-                                  mesh=ref_mesh, rules=rules) if ref_mesh is not None else None)
+        self.ref_scorer = (Scorer(model_on(graphdef, params, ref_mesh, rules), trainer_config, mesh=ref_mesh,
+                                  rules=rules) if ref_mesh is not None and self.uses_reference else None)
+        if ref_mesh is not None and not self.uses_reference:
+            log.warning("the ref devices (%d) stay idle: no loss term reads the reference model (loss.kl_coef=0); "
+                        "set controller.ref_groups=0 to give them to the rollout or the trainer",
+                        len(ref_mesh.devices.flat))
         self.engine_config = engine_config
         self._group_of: dict[int, object] = {}  # replica id -> its device group (pool group id or device tuple)
         self._worker_options = engine_workers if isinstance(engine_workers, dict) else {}
@@ -221,7 +231,7 @@ class JaxBackend(HotSwitches):
         changed = {from_role, to_role}
         if "train" in changed:
             await asyncio.to_thread(self.trainer.move_to, self.pool.mesh("train"))
-        if "ref" in changed:
+        if "ref" in changed and self.uses_reference:
             ref_mesh = self.pool.mesh("ref")
             self.ref_scorer = None if ref_mesh is None else await asyncio.to_thread(
                 lambda: Scorer(model_on(self.trainer.graphdef, self.trainer.ref_params, ref_mesh, self.rules),
@@ -297,15 +307,17 @@ class JaxBackend(HotSwitches):
     # ---------------------------------------------------------------- state
 
     def arrays(self) -> dict[str, Any]:
-        arrays = {"params": self.trainer.params, "opt_state": self.trainer.opt_state, "ref": self.trainer.ref_params}
+        arrays = {"params": self.trainer.params, "opt_state": self.trainer.opt_state}
+        if self.trainer.ref_params is not None:
+            arrays["ref"] = self.trainer.ref_params
         if self.trainer.value_params is not None:
             arrays["value"] = self.trainer.value_params
         return arrays
 
     def restore_arrays(self, arrays: dict[str, Any], *, step: int, version: int) -> None:
         self.trainer.params, self.trainer.opt_state = arrays["params"], arrays["opt_state"]
-        self.trainer.step_count = step
-        self.trainer.ref_params = arrays["ref"]
+        self.trainer.step_count, self.trainer.policy_version = step, version
+        self.trainer.ref_params = arrays.get("ref")
         if "value" in arrays:
             self.trainer.value_params = arrays["value"]
         params = local_replica(self.trainer.params) if self.multi else self.trainer.params
@@ -316,7 +328,9 @@ class JaxBackend(HotSwitches):
         """Starts from these weights (the warm start): the actor, the reference model and the
         rollout engine all take them."""
         self.trainer.params = place_copy(params, _shardings(self.trainer.params))
-        self.trainer.ref_params = place_copy(params, _shardings(self.trainer.ref_params))
+        self.trainer.policy_version = version
+        if self.trainer.ref_params is not None:
+            self.trainer.ref_params = place_copy(params, _shardings(self.trainer.ref_params))
         if self.ref_scorer is not None:
             self.ref_scorer.params = place_copy(params, _shardings(self.ref_scorer.params))
         if self.multi:

@@ -47,6 +47,11 @@ class ControllerConfig:
     ctb: bool = True
     ers: bool = True
     checkpoint_every: int = 0  # steps; 0: only at the end and on interrupt
+    # dynamic sampling (DAPO, Yu et al. 2025; veRL's algorithm.filter_groups): a complete group whose rewards are
+    # all equal is dropped (ledger `dropped:zero_variance`) and another sampled in its place, so every update has
+    # `groups_per_step` informative groups; after `filter_groups_limit` such groups in a row the run stops, named
+    filter_groups: bool = False
+    filter_groups_limit: int = 64
     # Belayer (faults/env_worker.py): each environment in a subprocess, checkpointed at turn
     # boundaries by the cost rule; a crash restores and rewinds (or redoes from turn 0) within
     # `env_max_retries`, then the sample is dropped with its reason
@@ -69,7 +74,8 @@ class ControllerConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ConfigError(f"controller.mode={self.mode!r} is not one of {MODES}")
-        for name in ("steps", "groups_per_step", "group_size", "max_concurrent", "device_group_size"):
+        for name in ("steps", "groups_per_step", "group_size", "max_concurrent", "device_group_size",
+                     "filter_groups_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"controller.{name}={getattr(self, name)} must be >= 1")
         if self.max_concurrent < self.group_size:

@@ -43,9 +43,11 @@ _COLORS = {"generate": "tab:blue", "score": "tab:orange", "train": "tab:green", 
            "move": "tab:purple", "sft": "tab:olive", "eval": "tab:gray"}
 # TensorBoard groups of the per-update keys (metrics.jsonl keeps them flat); `eval_*` and `sft_*` go to eval/, sft/
 TAG_GROUPS = {
-    "train": ("reward", "reward_std", "zero_variance_groups", "loss", "policy_loss", "kl", "entropy", "value_loss",
-              "nll", "grad_norm", "skipped", "lr", "clip_fraction", "dual_clip_fraction", "approx_kl", "ratio",
-              "importance_weight", "truncated_fraction", "tokens", "sequences", "dropped", "shared_groups", "version"),
+    "train": ("reward", "reward_std", "zero_variance_groups", "zero_variance_dropped", "loss", "policy_loss", "kl",
+              "entropy", "value_loss", "nll", "grad_norm", "skipped", "lr", "clip_fraction", "dual_clip_fraction",
+              "approx_kl", "ratio", "importance_weight", "truncated_fraction", "tokens", "sequences", "dropped",
+              "shared_groups", "version", "proximal_recomputed", "on_policy", "behaviour_logp_diff_mean",
+              "behaviour_logp_diff_p99", "tokens_computed", "tokens_real"),
     "rollout": ("response_tokens_mean", "response_tokens_max", "turns_mean", "tool_calls_mean", "tool_error_rate",
                 "malformed_turn_rate", "kv_hit_rate", "staleness_mean", "running", "ready_groups", "discarded",
                 "consumed_tokens", "consumed_samples"),
@@ -169,11 +171,13 @@ class RunMetrics:
         from tiderl_jax.progress import format_seconds
         recent = self.step_times[-5:] or [now]
         eta = (self.total_steps - step) * sum(recent) / len(recent)
-        log.info("RL step %d/%d  %.1fs  reward %.3f ± %.3f (%.0f%% of groups all-equal)  goodput %.0f tok/s  loss %.4f"
+        dropped = "zero_variance_dropped" in values  # dynamic sampling: the all-equal groups were not trained on
+        log.info("RL step %d/%d  %.1fs  reward %.3f ± %.3f (%.0f%% of groups all-equal%s)  goodput %.0f tok/s  loss %.4f"
                  "  step time %.1fs  ETA %s", step, self.total_steps, now, values.get("reward", math.nan),
-                 values.get("reward_std", math.nan), 100 * values.get("zero_variance_groups", math.nan),
-                 values["goodput_tokens_per_s"], values.get("loss", math.nan), values["step_time_s"],
-                 format_seconds(eta))
+                 values.get("reward_std", math.nan),
+                 100 * values.get("zero_variance_dropped" if dropped else "zero_variance_groups", math.nan),
+                 ", dropped" if dropped else "", values["goodput_tokens_per_s"], values.get("loss", math.nan),
+                 values["step_time_s"], format_seconds(eta))
 
     def _scalars(self, step: int, values: dict, prefix: str = "") -> None:
         for k, v in values.items():
