@@ -9,10 +9,9 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 # the simulator's compiled event core (setup.py), rebuilt when its source changes
 CORE := $(VENV)/.sim_core
-# Faked devices for the CPU default and the sharding tests (the flag concerns the CPU platform only: on a
-# GPU or TPU it does nothing); a persistent compile cache halves warm compiles. JAX_PLATFORMS is left to
-# the user: unset, JAX takes the accelerator when there is one (tiderl_jax/config.py, apply_platform_settings).
-export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+# A persistent compile cache halves warm compiles. The faked CPU device count is the config's (`cpu_devices`: the
+# CPU default's 8; tests/conftest.py sets the tests' 8); JAX_PLATFORMS is left to the user: unset, JAX takes the
+# accelerator when there is one (tiderl_jax/config.py, apply_platform_settings).
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES ?= 0

@@ -72,6 +72,7 @@ def test_a_trainer_borrow_makes_the_same_update_and_gives_everything_back():
     asyncio.run(b.train(trajs))  # the step on the trainer's own 2 devices
     alone = jax.tree.map(np.asarray, trainer.params)
     trainer.params, trainer.opt_state = _copy(start)
+    trainer.policy_version = 0  # the same step again: the same on-policy batch (no proximal pass)
     costs_before = b.switch_costs(bidirl.ROLLOUT, bidirl.TRAIN)  # estimated from bytes
     assert b.idle_devices(bidirl.ROLLOUT) == 4  # three idle replicas, one keeps serving
 

@@ -142,6 +142,8 @@ def test_group_samples_share_the_prompt_prefill():
     stats = eng.stats()
     # the 5 full blocks (40 tokens) are computed once; each sibling computes its 5-token tail
     assert stats["prefill_tokens_computed"] == 45 + 3 * 5
+    # the token slots the calls computed: padded rows and widths included, so never fewer than the tokens
+    assert stats["prefill_slots"] >= stats["prefill_tokens_computed"] and stats["decode_slots"] >= stats["decode_tokens"] > 0
     outs = [eng.get(h) for h in handles]
     assert len({tuple(o.new_tokens) for o in outs}) > 1  # different seeds, different samples
     greedy_group = eng.submit_group(Request(prompt, GREEDY), 3)

@@ -55,12 +55,19 @@ def test_pack_first_fit_segments_and_drops():
     assert [i for i, _ in p.dropped] == [7, 8]
     assert "40 tokens exceed" in p.dropped[0][1] and "no model-generated" in p.dropped[1][1]
     assert sorted(p.kept) == list(range(7))
-    assert p.arrays["tokens"].shape[1:] == (2, 32) and p.arrays["tokens"].shape[0] in (1, 2, 4)
+    assert p.arrays["tokens"].shape[1:] == (2, 32) and p.arrays["tokens"].shape[0] in (1, 2, 3, 4)
     for j, i in enumerate(p.kept):  # every kept trajectory is found intact at its placement
         assert p.per_token("tokens", j).tolist() == TRAJS[i].tokens
         assert p.per_token("positions", j).tolist() == list(range(len(TRAJS[i].tokens)))
         assert p.per_token("mask", j).tolist() == [float(m) for m in TRAJS[i].loss_mask]
     assert p.num_tokens == sum(t.num_generated for t in TRAJS)
+
+
+def test_micro_batch_counts_round_up_to_powers_of_two_or_one_and_a_half_times_one():
+    from tiderl_jax.rl.batch import num_micro_batches
+    assert [num_micro_batches(rows, 8) for rows in (1, 8, 9, 17, 24, 25, 33, 48, 49, 57, 64, 65)] == \
+        [1, 1, 2, 3, 3, 4, 6, 6, 8, 8, 8, 12]
+    assert num_micro_batches(1, 8, min_micro=5) == 6
 
 
 def test_packed_logprobs_equal_each_sequence_alone():
@@ -278,22 +285,23 @@ def test_moving_the_trainer_to_another_mesh_changes_nothing_but_placement():
 def test_warmup_loads_the_step_programs_and_changes_nothing():
     """A sharded trainer warmed up for micro-batch counts 1 and 2: the policy, the optimizer state and the step
     count are untouched, and real steps of those counts (TRAJS packs into 2) load no program afterwards."""
-    from tiderl_jax.rl.trainer import Scorer
+    from tiderl_jax.rl.trainer import Scorer, row_layout
 
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
     ref = shard_model(init_decoder(CFG, seed=4), mesh, DEFAULT_RULES)
     trainer = Trainer(shard_model(init_decoder(CFG, seed=3), mesh, DEFAULT_RULES), _config(micro_rows=2), mesh=mesh,
                       ref_params=nnx.split(ref)[1])
     before, opt = _params(trainer), [np.asarray(x) for x in jax.tree.leaves(trainer.opt_state)]
-    assert trainer.warmup([1, 2]) > 0 and trainer.step_count == 0 and trainer.compile_s > 0
+    assert trainer.warmup([1, 2], row_lens=[16]) > 0 and trainer.step_count == 0 and trainer.compile_s > 0
     assert all(np.array_equal(a, b) for a, b in zip(before, _params(trainer)))
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(opt, jax.tree.leaves(trainer.opt_state)))
-    assert pack(TRAJS, row_len=32, micro_rows=2).arrays["tokens"].shape[0] == 2
+    assert row_layout(trainer.config, [len(t.tokens) for t in TRAJS]) == (16, 4)  # rows sized to the batch
+    assert pack(TRAJS, row_len=16, micro_rows=4).arrays["tokens"].shape[0] == 2
     loaded = trainer.compile_s
     m = trainer.rl_step(TRAJS)
     assert trainer.compile_s == loaded and np.isfinite(m["loss"]) and trainer.step_count == 1
     scorer = Scorer(init_decoder(CFG, seed=4), _config(micro_rows=2))
-    scorer.warmup([2])
+    scorer.warmup([2], row_lens=[16])
     loaded = scorer.compile_s
     assert all(x is not None for x in scorer.score_trajectories(TRAJS)) and scorer.compile_s == loaded
 
@@ -353,3 +361,19 @@ def test_an_on_policy_batch_skips_the_proximal_pass_and_updates_as_with_it():
     assert max(gap) < 0.1 * max(step)
     with pytest.raises(ConfigError, match="recompute_proximal='sometimes'"):
         TrainerConfig(recompute_proximal="sometimes")
+
+
+@pytest.mark.parametrize("aggregation", ["token", "constant"])
+def test_rows_sized_to_the_batch_give_the_update_of_full_rows(aggregation):
+    from tiderl_jax.rl.trainer import row_layout
+    cfg = _config(row_len=64, micro_rows=2, loss=LossConfig(kl_coef=0.1, aggregation=aggregation))
+    assert row_layout(cfg, [len(t.tokens) for t in TRAJS]) == (16, 8)  # the longest (15) fits 16: 8 x 16 per micro
+    assert row_layout(cfg, [64, 3]) == (64, 2) and row_layout(dataclasses.replace(cfg, row_buckets=False), [9]) == (64, 2)
+    ref = nnx.split(init_decoder(CFG, seed=15))[1]
+    sized = Trainer(init_decoder(CFG, seed=14), cfg, ref_params=ref)
+    full = Trainer(init_decoder(CFG, seed=14), dataclasses.replace(cfg, row_buckets=False), ref_params=ref)
+    a, b = sized.rl_step(TRAJS), full.rl_step(TRAJS)
+    assert a["tokens_computed"] == 1 * 8 * 16 and b["tokens_computed"] == 1 * 2 * 64
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["tokens_real"] == b["tokens_real"]
+    for x, y in zip(_params(sized), _params(full)):  # (Adam's first step divides by |g|: float noise shows)
+        np.testing.assert_allclose(x, y, atol=2e-5)

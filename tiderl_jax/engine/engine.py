@@ -645,6 +645,7 @@ class Engine(SpeculativeDecoding):
                                             temp, top_k, top_p, seeds, index, filtered=filtered,
                                             **self._image_inputs(chunks, rows, width))
         self._counters["prefill_calls"] += 1
+        self._counters["prefill_slots"] = self._counters.get("prefill_slots", 0) + rows * width  # padding included
         ended = []
         now = time.perf_counter()
         for i, (s, n) in enumerate(chunks):
@@ -741,6 +742,8 @@ class Engine(SpeculativeDecoding):
             top_p, seeds, index, min(steps, max_steps), max_steps=max_steps, filtered=filtered)
         compiled = self.runner.compiled
         self._counters["decode_calls"] += 1
+        # token slots the call computed, padded rows and the steps past a row's end included
+        self._counters["decode_slots"] = self._counters.get("decode_slots", 0) + rows * min(steps, max_steps)
         now = time.perf_counter()
         ended = [s.id for i, s in enumerate(batch)
                  if self._emit(s, tok[ok[:, i], i], lps[ok[:, i], i], lpm[ok[:, i], i], now)]

@@ -130,6 +130,23 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
+# The full (uncached) forward's query chunk: chunk i of a causal [t, t] attention needs only the keys up to its own
+# end, so the scores computed shrink from t^2 to about t^2 (n + 1) / 2n for n chunks (measured on the main job's
+# packed rows of 1,024: the train step's attention, most of its time on a CPU, nearly halved).
+CAUSAL_CHUNK = 128
+
+
+def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, chunk: int = CAUSAL_CHUNK) -> jax.Array:
+    """`attend` for a causal `mask` (the full forward's: no query attends to a later key), query chunk by query
+    chunk, each over the keys up to its end. Equal to `attend` (the keys it leaves out are masked there)."""
+    t = q.shape[1]
+    if t <= chunk:
+        return attend(q, k, v, mask)
+    parts = [attend(q[:, s:s + chunk], k[:, :, :s + chunk], v[:, :, :s + chunk], mask[:, s:s + chunk, :s + chunk])
+             for s in range(0, t, chunk)]
+    return jnp.concatenate(parts, axis=1)
+
+
 class Cache(Protocol):
     """What the cached forward mode needs from a KV cache (dense here, paged in the engine).
 
@@ -229,7 +246,7 @@ class Attention(nnx.Module):
         if constrain is not None:
             q = constrain(q, ("batch", "seq", "q_heads", "head_dim"))
         if cache is None:
-            out, layer_state = attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask), None
+            out, layer_state = attend_causal(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask), None
         else:
             out, layer_state = cache.attend_layer(layer_index, q, k, v, constrain)
         # As one [b, t, h*d] x [h*d, e] matmul: written as the einsum over (h, d), XLA:CPU chose to

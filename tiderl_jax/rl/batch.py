@@ -4,8 +4,9 @@ Trajectories are packed into rows of `row_len` tokens, first-fit decreasing, eac
 with its own `segment_ids` value (1, 2, ... within a row; 0 is padding) and positions restarting at
 0, so attention never crosses trajectories. Rows are grouped into micro-batches: every array is
 `[num_micro, micro_rows, row_len]`, the leading axis is what gradient accumulation scans over.
-`num_micro` is rounded up to a power of two and `row_len` is fixed by the config, so a run compiles
-a handful of programs, not one per batch.
+`num_micro` is rounded up to a power of two or 1.5 times one (1, 2, 3, 4, 6, 8, 12, ...: padding micro-batches
+cost as much as full ones, so these waste at most a third where powers of two wasted up to half) and `row_len`
+is fixed by the config, so a run compiles a handful of programs, not one per batch.
 
 Per token: `tokens`, `positions`, `segment_ids`, `mask` (1.0 on the model-generated tokens that are
 trained; logp[t] is the log-probability of token t given the tokens before it, so the mask is the
@@ -86,9 +87,11 @@ def first_fit_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
 
 
 def num_micro_batches(num_rows: int, micro_rows: int, min_micro: int = 1) -> int:
-    """Micro-batches of `micro_rows` rows that hold `num_rows` rows, rounded up to a power of two (one
-    compiled train program per count)."""
-    return _pow2(max(min_micro, -(-num_rows // micro_rows)))
+    """Micro-batches of `micro_rows` rows that hold `num_rows` rows, rounded up to a power of two or 1.5 times
+    one (1, 2, 3, 4, 6, 8, 12, ...; one compiled train program per count)."""
+    n = max(min_micro, -(-num_rows // micro_rows))
+    p = _pow2(n)
+    return p * 3 // 4 if p >= 4 and n <= p * 3 // 4 else p
 
 
 def pack(sequences: Sequence[Trajectory], *, row_len: int, micro_rows: int,

@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tiderl_jax import interrupts
 from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.engine.buckets import bucket, pow2_buckets
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import (DEFAULT_RULES, ActivationSharding, Rules, from_host, host_value, place_copy,
@@ -77,8 +78,11 @@ class TrainerConfig:
     b1: float = 0.9
     b2: float = 0.999
     grad_clip: float = 1.0  # global norm
-    row_len: int = 1024  # packed row length: the longest trajectory trained on
-    micro_rows: int = 8  # rows per micro-batch (gradient accumulation over micro-batches)
+    row_len: int = 1024  # the longest trajectory trained on: the longest packed row
+    micro_rows: int = 8  # rows of `row_len` per micro-batch (gradient accumulation over micro-batches)
+    # rows sized to the batch: the smallest power of two from 16 (or row_len) that holds the batch's longest
+    # trajectory, micro-batches of the same tokens (micro_rows x row_len); False: always rows of row_len
+    row_buckets: bool = True
     temperature: float = 1.0  # the rollout temperature (log-probs of the sampling distribution)
     decoupled: bool = True  # decoupled PPO: weight tokens by pi_prox / pi_behav (truncated)
     # the proximal pass (the trainer's log-probs of the batch under the weights the step starts from):
@@ -221,13 +225,29 @@ def _micro_loss(graphdefs, cfg: TrainerConfig, kind: str, params, micro, num_tok
                              num_sequences=num_sequences)
 
 
+def _fixed_norm(cfg: TrainerConfig) -> TrainerConfig:
+    """`cfg` with "constant" aggregation's default length pinned to `row_len` (the config's row, whatever length
+    a batch's rows are bucketed to, so the loss's scale does not move with the bucket)."""
+    if cfg.loss.aggregation == "constant" and cfg.loss.norm_len is None:
+        return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, norm_len=cfg.row_len))
+    return cfg
+
+
+def row_layout(cfg: TrainerConfig, lengths: Sequence[int]) -> tuple[int, int]:
+    """(row length, rows per micro-batch) of a batch of trajectories of `lengths` tokens (`row_buckets`)."""
+    if not cfg.row_buckets or not lengths:
+        return cfg.row_len, cfg.micro_rows
+    longest = max(lengths)
+    if longest >= cfg.row_len:
+        return cfg.row_len, cfg.micro_rows
+    row = bucket(longest, pow2_buckets(min(16, cfg.row_len), cfg.row_len))
+    return row, max(1, cfg.micro_rows * cfg.row_len // row)
+
+
 def _shared_loss(cfg: TrainerConfig) -> shared_prompt.ResponseLoss:
     """A shared response's loss: the packed path's, with "constant" aggregation's default length the
     packed rows' length (the T a packed micro-batch would normalise by)."""
-    loss = cfg.loss
-    if loss.aggregation == "constant" and loss.norm_len is None:
-        loss = dataclasses.replace(loss, norm_len=cfg.row_len)
-    return shared_prompt.ResponseLoss(loss, cfg.decoupled)
+    return shared_prompt.ResponseLoss(_fixed_norm(cfg).loss, cfg.decoupled)
 
 
 def _train_program(graphdefs, tx, cfg: TrainerConfig, kind: str, params, opt_state, batch, shared=()):
@@ -505,7 +525,7 @@ class Trainer:
         graphdefs, trainable = self._graphdefs(), self._trainable()
 
         def build():
-            fn = functools.partial(_train_program, graphdefs, self.tx, self.config, kind)
+            fn = functools.partial(_train_program, graphdefs, self.tx, _fixed_norm(self.config), kind)
             donate = () if kind == "gradients" else (0, 1)
             if self.mesh is None:
                 return jax.jit(fn, donate_argnums=donate)
@@ -543,14 +563,16 @@ class Trainer:
         arrays = {k: packed.arrays[k] for k in _INPUTS + ("mask",) if k in packed.arrays}
         return self._run_step("sft", arrays, packed.num_sequences)
 
-    def warmup(self, micro_counts: Sequence[int]) -> float:
+    def warmup(self, micro_counts: Sequence[int], row_lens: Sequence[int] | None = None) -> float:
         """Loads every program a step of each packed micro-batch count in `micro_counts` runs (proximal and
-        reference scoring, the update), compiling it or reading it from the persistent compile cache, without
+        reference scoring, the update) with rows of each of `row_lens` tokens (default: `row_len`; a batch's rows
+        are sized to it: `row_layout`), compiling it or reading it from the persistent compile cache, without
         changing the policy, the optimizer state or the step count; returns the seconds it took. A run that
         warms up before its first step pays no program load inside its steps."""
         t0 = time.perf_counter()
-        for m in micro_counts:
-            self.rl_step(_warmup_trajectories(m, self.config), apply=False)
+        for row in row_lens or [self.config.row_len]:
+            for m in micro_counts:
+                self.rl_step(_warmup_trajectories(m, self.config, row), apply=False)
         return time.perf_counter() - t0
 
     def memory_plan(self, trajectories: Sequence[Trajectory]) -> dict:
@@ -584,7 +606,8 @@ class Trainer:
                                                max_response=cfg.row_len)
             shared = shared if shared.groups else None
         sub = [trajectories[i] for i in rest]
-        packed = pack(sub, row_len=cfg.row_len, micro_rows=cfg.micro_rows, patch_dim=self.patch_dim)
+        row_len, micro_rows = row_layout(cfg, [len(t.tokens) for t in sub])
+        packed = pack(sub, row_len=row_len, micro_rows=micro_rows, patch_dim=self.patch_dim)
         for i, reason in packed.dropped:
             log.warning("trajectory %s left out of the step: %s", sub[i].task_id, reason)
         if not packed.kept and shared is None:
@@ -666,7 +689,12 @@ class Trainer:
         metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()),
                        time_proximal_s=t_proximal, time_ref_s=t_ref, time_update_s=time.perf_counter() - t0,
                        shared_groups=float(len(shared.groups) if shared else 0),
-                       proximal_recomputed=float(recompute), on_policy=float(on_policy), **drift)
+                       proximal_recomputed=float(recompute), on_policy=float(on_policy), **drift,
+                       # what the step's passes compute: token slots (padding included), real tokens, and the causal
+                       # attention pairs the sequences need (benchmarks/rl_step.py's FLOPs)
+                       tokens_computed=float(packed.arrays["mask"].size if packed.kept else 0),
+                       tokens_real=float(sum(len(t.tokens) for t in kept)),
+                       attention_pairs=float(sum(len(t.tokens) * (len(t.tokens) + 1) // 2 for t in kept)))
         self.policy_version = None if self.policy_version is None else self.policy_version + 1
         return metrics
 
@@ -701,17 +729,19 @@ class Scorer:
     _put = Trainer._put
     _score = Trainer._score
 
-    def warmup(self, micro_counts: Sequence[int]) -> float:
+    def warmup(self, micro_counts: Sequence[int], row_lens: Sequence[int] | None = None) -> float:
         """Loads the scoring program of each packed micro-batch count (as `Trainer.warmup`); returns seconds."""
         t0 = time.perf_counter()
-        for m in micro_counts:
-            self.score_trajectories(_warmup_trajectories(m, self.config))
+        for row in row_lens or [self.config.row_len]:
+            for m in micro_counts:
+                self.score_trajectories(_warmup_trajectories(m, self.config, row))
         return time.perf_counter() - t0
 
     def score_trajectories(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray | None]:
         """Each trajectory's per-token log-probs (None for one the trainer would leave out)."""
         cfg = self.config
-        packed = pack(trajectories, row_len=cfg.row_len, micro_rows=cfg.micro_rows, patch_dim=self.patch_dim)
+        row_len, micro_rows = row_layout(cfg, [len(t.tokens) for t in trajectories])
+        packed = pack(trajectories, row_len=row_len, micro_rows=micro_rows, patch_dim=self.patch_dim)
         if not packed.kept:
             return [None] * len(trajectories)
         logp = self._score(packed, self.params, with_values=False)[0]
@@ -722,14 +752,16 @@ class Scorer:
         return out
 
 
-def _warmup_trajectories(micro: int, config: TrainerConfig) -> list[Trajectory]:
-    """Stand-in trajectories that pack into exactly `micro` micro-batches (one full row each, two groups):
-    what `Trainer.warmup` runs the step's programs on."""
-    rows = (micro - 1) * config.micro_rows + 1  # the fewest rows that need `micro` micro-batches
+def _warmup_trajectories(micro: int, config: TrainerConfig, row_len: int | None = None) -> list[Trajectory]:
+    """Stand-in trajectories that pack into exactly `micro` micro-batches of rows of `row_len` tokens (default: the
+    config's; one full row each, two groups): what `Trainer.warmup` runs the step's programs on."""
+    row_len = row_len or config.row_len
+    _, micro_rows = row_layout(config, [row_len])
+    rows = (micro - 1) * micro_rows + 1  # the fewest rows that need `micro` micro-batches
     out = []
     for i in range(rows):
         t = Trajectory(task_id=f"warmup-{i}", kind="warmup", group=i % 2, reward=float(i % 2))
-        prompt, generated = config.row_len // 2, config.row_len - config.row_len // 2
+        prompt, generated = row_len // 2, row_len - row_len // 2
         t.extend([2 + i] + [1] * (prompt - 1), generated=False)  # no shared prompt: the packed programs
         t.extend([1] * generated, generated=True, logprobs=[0.0] * generated, model_logprobs=[0.0] * generated,
                  versions=[0] * generated)
