@@ -62,7 +62,7 @@ def test_with_the_filter_off_all_equal_groups_are_trained(tmp_path, monkeypatch,
 
 
 def test_a_policy_with_no_informative_group_stops_the_run_with_the_reason(tmp_path, monkeypatch):
-    with pytest.raises(RuntimeError, match="the last 6 groups each had one reward for all their samples"):
+    with pytest.raises(RuntimeError, match="dynamic sampling dropped the last 6 groups: each had one reward"):
         _run(tmp_path, monkeypatch, "tiderl", rewards=lambda g, s: 1.0, limit=6)
     with pytest.raises(ConfigError, match="filter_groups_limit=0 must be >= 1"):
         ControllerConfig(filter_groups_limit=0)

@@ -20,7 +20,8 @@ from tiderl_jax.runtime.multihost import local_config
 
 # the main job's smallest RL run that divides over 1, 2 and 4 processes; eta = 0 makes each update's groups
 # those admitted for its version (with eta >= 1 they are the first to arrive: timing, even on one process)
-RUN = ["--config.trainer.warmup_steps=0", "--config.eval.tasks=2",
+# (dynamic sampling off: at this size nearly every group has one reward)
+RUN = ["--config.controller.filter_groups=false", "--config.trainer.warmup_steps=0", "--config.eval.tasks=2",
        "--config.eval.sampled=false", "--config.eval.every=0", "--config.controller.groups_per_step=4",
        "--config.controller.group_size=2", "--config.controller.max_concurrent=8", "--config.controller.eta=0",
        "--config.controller.device_group_size=1", "--config.controller.rollout_groups=4",

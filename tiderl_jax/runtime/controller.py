@@ -201,6 +201,7 @@ class Controller(Boundaries, Borrowing, Multihost):
         self._failed_groups = 0
         self._last_error = ""
         self._uninformative_in_row = 0  # complete groups in a row that dynamic sampling dropped (filter_groups)
+        self._no_signal = ""  # past filter_groups_limit of them: why the run stops
         self._filtered = collections.Counter()  # complete and dropped groups since the last step (filter_groups)
         # a sample's error that no later sample can escape (one marked `fatal`: `rollout.EngineFailed`,
         # the engine's step raised): the producer stops admitting and the trainer raises it at once
@@ -249,7 +250,7 @@ class Controller(Boundaries, Borrowing, Multihost):
 
     async def _produce(self):
         G = self.cfg.group_size
-        while not self._stop and not self._fatal:
+        while not self._stop and not self._fatal and not self._no_signal:
             if self._failed_groups >= FAILED_GROUPS_LIMIT:
                 raise RuntimeError(f"every sample of the last {self._failed_groups} groups failed (last: "
                                    f"{self._last_error}); the rollout side is broken, so no more tasks are admitted")
@@ -361,6 +362,8 @@ class Controller(Boundaries, Borrowing, Multihost):
         tried again); or the producer died (e.g. FAILED_GROUPS_LIMIT). The error is named."""
         if self._fatal:
             raise RuntimeError(f"the rollout failed and cannot go on ({self._fatal}); the run stops")
+        if self._no_signal:
+            raise RuntimeError(self._no_signal)
         failed, eta = self._syncs_failed_in_row, self.cfg.staleness.eta
         if failed >= min(SYNC_FAILURES_LIMIT, eta + 1):
             raise RuntimeError(f"{failed} weight syncs in a row failed (the last, {self._sync_error}); the "
@@ -400,10 +403,12 @@ class Controller(Boundaries, Borrowing, Multihost):
         self._filtered["dropped"] += 1
         self.ledger["dropped:zero_variance"] += len(group.trajectories)
         self._uninformative_in_row += 1
-        if self._uninformative_in_row >= self.cfg.filter_groups_limit and not self._fatal:
-            self._fatal = (f"the last {self._uninformative_in_row} groups each had one reward for all their samples "
-                           f"(last: {group.trajectories[0].reward}): nothing to learn from; the tasks are too hard or "
-                           f"too easy for this policy (controller.filter_groups=False trains on them anyway)")
+        if self._uninformative_in_row >= self.cfg.filter_groups_limit and not self._no_signal:
+            self._no_signal = (f"dynamic sampling dropped the last {self._uninformative_in_row} groups: each had one reward "
+                               f"for all its samples (the last: {group.trajectories[0].reward}), so there is nothing to "
+                               "learn from; the tasks are too hard or too easy for this policy "
+                               "(--config.controller.filter_groups=false trains on them anyway); the run stops")
+            self._wake.set()
         group.trajectories = []
 
     async def _score_ref(self, group: _Group):
