@@ -138,7 +138,6 @@ def child(name: str, steps: int, out_path: str, sets: list[str]) -> None:
         computed = r.get("tokens_computed", 0.0)
         fwd_computed = 2 * matmul_params * computed + per_pair * pairs_row * computed / tcfg.row_len
         fwd_useful = 2 * matmul_params * r.get("tokens_real", 0.0) + per_pair * r.get("attention_pairs", 0.0)
-        fwd_computed_tokens = computed
         gen_useful = (after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
                       + after["decode_tokens"] - before["decode_tokens"])
         gen_computed = after["prefill_slots"] - before["prefill_slots"] + after["decode_slots"] - before["decode_slots"]
@@ -147,11 +146,11 @@ def child(name: str, steps: int, out_path: str, sets: list[str]) -> None:
         per_step.append({
             "generation": (after["rollout"] - before["rollout"], gen_computed, gen_useful, 2 * matmul_params * gen_useful,
                            2 * matmul_params * gen_computed),
-            "proximal": (r.get("time_proximal_s", 0.0), fwd_computed_tokens if prox else 0, r.get("tokens_real", 0)
+            "proximal": (r.get("time_proximal_s", 0.0), computed if prox else 0, r.get("tokens_real", 0)
                          if prox else 0, fwd_useful if prox else 0.0, fwd_computed if prox else 0.0),
-            "reference": (r.get("time_ref_s", 0.0) + after["ref"] - before["ref"], fwd_computed_tokens if ref else 0,
+            "reference": (r.get("time_ref_s", 0.0) + after["ref"] - before["ref"], computed if ref else 0,
                           r.get("tokens_real", 0) if ref else 0, fwd_useful if ref else 0.0, fwd_computed if ref else 0.0),
-            "update": (r.get("time_update_s", 0.0), fwd_computed_tokens, r.get("tokens_real", 0), 3 * fwd_useful,
+            "update": (r.get("time_update_s", 0.0), computed, r.get("tokens_real", 0), 3 * fwd_useful,
                        3 * fwd_computed),
             "weight_sync": (r.get("sync_s", 0.0), 0, 0, 0.0, 0.0),
             "waiting": (r.get("trainer_wait_s", 0.0), 0, 0, 0.0, 0.0),

@@ -66,3 +66,10 @@ def test_a_policy_with_no_informative_group_stops_the_run_with_the_reason(tmp_pa
         _run(tmp_path, monkeypatch, "tiderl", rewards=lambda g, s: 1.0, limit=6)
     with pytest.raises(ConfigError, match="filter_groups_limit=0 must be >= 1"):
         ControllerConfig(filter_groups_limit=0)
+
+
+def test_the_rule_informative_groups_and_the_stop():
+    from tiderl_jax.policies import dynamic_sampling
+    assert dynamic_sampling.informative([0.0, 1.0, 0.0]) and not dynamic_sampling.informative([0.5, 0.5])
+    assert not dynamic_sampling.informative([1.0])  # one sample left: no advantage either
+    assert dynamic_sampling.exhausted(6, 6) and not dynamic_sampling.exhausted(5, 6)

@@ -55,7 +55,7 @@ from tiderl_jax.agents import tasks as task_lib
 from tiderl_jax.agents.env import LatencyModel, Task
 from tiderl_jax.agents.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
-from tiderl_jax.policies import ers, ra2p, staleness
+from tiderl_jax.policies import dynamic_sampling, ers, ra2p, staleness
 from tiderl_jax.runtime import health
 from tiderl_jax.runtime.borrowing import Borrowing
 from tiderl_jax.runtime.boundaries import Boundaries
@@ -397,13 +397,13 @@ class Controller(Boundaries, Borrowing, Multihost):
         if not self.cfg.filter_groups or not group.trajectories:
             return
         self._filtered["complete"] += 1
-        if len({t.reward for t in group.trajectories}) > 1:
+        if dynamic_sampling.informative([t.reward for t in group.trajectories]):
             self._uninformative_in_row = 0
             return
         self._filtered["dropped"] += 1
         self.ledger["dropped:zero_variance"] += len(group.trajectories)
         self._uninformative_in_row += 1
-        if self._uninformative_in_row >= self.cfg.filter_groups_limit and not self._no_signal:
+        if dynamic_sampling.exhausted(self._uninformative_in_row, self.cfg.filter_groups_limit) and not self._no_signal:
             self._no_signal = (f"dynamic sampling dropped the last {self._uninformative_in_row} groups: each had one reward "
                                f"for all its samples (the last: {group.trajectories[0].reward}), so there is nothing to "
                                "learn from; the tasks are too hard or too easy for this policy "
