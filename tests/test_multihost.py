@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 from conftest import ROOT
@@ -157,6 +158,57 @@ def test_a_process_that_dies_ends_the_others_within_the_heartbeat_naming_it():
     assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]  # the first failure's status
     assert "[0] error: multi-host run stopped: process 1 of 2 stopped: no heartbeat" in out.stdout, out.stdout
     assert took < 60, took  # not the exchange's 600 s, nor gloo's or JAX's own timeouts
+
+
+class _Watched:
+    """Process 0's heartbeat watchdog against scripted processes, on a faked key-value store and clock: `beats[q]`
+    is the first and last second (inclusive; None: never) at which process q beats."""
+
+    def __init__(self, monkeypatch, beats: dict, timeout: float = 10.0, seconds: int = 60):
+        self.now, self.beats, self.values, self.reports = 0.0, beats, {}, []
+        self.cluster = distributed.Cluster(distributed.ClusterSpec(heartbeat_timeout_s=timeout), 0, len(beats) + 1)
+        monkeypatch.setattr(distributed.Cluster, "_client", property(lambda _: self))
+        monkeypatch.setattr(distributed, "time", types.SimpleNamespace(monotonic=lambda: self.now))
+        self.cluster._stop = self  # its wait(1.0) is a faked second; the watch ends after `seconds` of them
+        self.cluster.on_failure = lambda message: self.reports.append((self.now, message))
+        self.seconds = seconds
+        self._beat()
+        self.cluster._watch()
+
+    def _beat(self):
+        for q, (first, last) in self.beats.items():
+            if first is not None and first <= self.now <= last:
+                self.values[f"tiderl/hb/{q}"] = str(int(self.now))
+
+    def is_set(self):
+        return self.now >= self.seconds
+
+    def wait(self, seconds):
+        self.now += seconds
+        self._beat()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.values[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.values:
+            raise RuntimeError(f"NOT_FOUND: Config key {key} not found")
+        return self.values[key]
+
+
+def test_the_watchdog_names_a_process_that_never_beat(monkeypatch):
+    w = _Watched(monkeypatch, {1: (0, 99), 2: (None, None)})  # 2 died before its first beat
+    assert w.reports == [(11.0, "process 2 of 3 stopped: no heartbeat in the 11 s since the watchdog started (it "
+                                "died before its first, or hangs)")]
+    assert _Watched(monkeypatch, {1: (0, 99), 2: (5, 99)}).reports == []  # a late first beat, within the timeout
+
+
+def test_the_watchdog_checks_every_process_each_second(monkeypatch):
+    # 1 beats from second 6 on; 2 stops after second 1: named 10 s later, not 10 s after 1's first beat
+    w = _Watched(monkeypatch, {1: (6, 99), 2: (0, 1), 3: (0, 99)})
+    assert w.reports == [(12.0, "process 2 of 4 stopped: no heartbeat for 11 s (it died or hangs)")]
+    w = _Watched(monkeypatch, {1: (0, 99), 2: (0, 99), 3: (0, 99)})
+    assert w.reports == [] and w.now == 60  # all beating: watched to the end, nobody named
 
 
 # ---------------------------------------------------------------------- the main job

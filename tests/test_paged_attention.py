@@ -114,3 +114,27 @@ def test_a_failed_kernel_build_names_the_command_and_the_compilers_error(tmp_pat
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match=r"no C\+\+ compiler .*no-such-compiler"):
         cpu_attention._build()
+
+
+def test_the_kernel_cache_key_follows_jaxlib_and_its_ffi_headers(tmp_path, monkeypatch):
+    import shutil
+
+    import jax
+    import jaxlib
+
+    from tiderl_jax.engine import cpu_attention
+    compiler = tmp_path / "fake-c++"  # writes an empty library: no compile
+    compiler.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("TIDERL_KERNEL_CACHE", str(tmp_path / "cache"))
+    first = cpu_attention._build()
+    assert first.exists() and cpu_attention._build() == first  # the same jaxlib: the cached library
+    monkeypatch.setattr(jaxlib, "__version__", jaxlib.__version__ + ".post1")
+    upgraded = cpu_attention._build()
+    assert upgraded != first and upgraded.exists()
+    headers = tmp_path / "include"  # the same version, other FFI headers
+    shutil.copytree(jax.ffi.include_dir(), headers)
+    next(headers.rglob("ffi.h")).write_text("// another version\n", encoding="utf-8")
+    monkeypatch.setattr(jax.ffi, "include_dir", lambda: str(headers))
+    assert cpu_attention._build() not in (first, upgraded)

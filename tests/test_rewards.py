@@ -3,6 +3,7 @@ built-in math and code rewards."""
 
 import asyncio
 import pickle
+import threading
 import time
 
 import pytest
@@ -112,8 +113,44 @@ def test_a_hung_sync_function_does_not_block_the_event_loop_and_is_abandoned():
     assert time.monotonic() - t0 < 2 and ticks >= 5  # the loop ran while both calls hung
     assert all(isinstance(r, RewardFailed) and r.reason == "reward_timeout" for r in results)
     assert fn.abandoned == 2
-    with pytest.raises(RewardFailed, match="not called again"):  # past max_abandoned: fails at once
+    with pytest.raises(RewardFailed, match="not called until they end"):  # max_abandoned running: fails at once
         _call(fn)
+
+
+def test_only_abandoned_calls_still_running_count_against_the_function():
+    gate = {}  # the event the next call waits on
+
+    def slow(*args):
+        gate["next"].wait()
+        return 1.0
+
+    def finish(event):  # lets the waiting calls end, and waits until their threads have
+        event.set()
+        for thread in threading.enumerate():
+            if thread.name == "reward:slow":
+                thread.join()
+
+    fn = RewardFn(slow, name="slow", timeout_s=0.05, max_abandoned=2)
+    for _ in range(10):  # slow calls over a run, each finishing after its timeout: 10 abandoned, none left running
+        gate["next"] = threading.Event()
+        with pytest.raises(RewardFailed, match="took longer"):
+            _call(fn)
+        assert fn.abandoned == 1
+        finish(gate["next"])
+        assert fn.abandoned == 0
+    hung = gate["next"] = threading.Event()
+    for _ in range(2):  # calls that truly hang: at max_abandoned running, the function is not called
+        with pytest.raises(RewardFailed, match="took longer"):
+            _call(fn)
+    assert fn.abandoned == 2
+    with pytest.raises(RewardFailed, match="not called until they end"):
+        _call(fn)
+    finish(hung)
+    assert fn.abandoned == 0
+    gate["next"] = threading.Event()
+    with pytest.raises(RewardFailed, match="took longer"):  # once they ended, it is called again
+        _call(fn)
+    finish(gate["next"])
 
 
 def test_raising_and_bad_results_fail_the_sample_with_a_reason():
@@ -237,6 +274,70 @@ def test_code_reward_string_tests_humaneval_check_and_sandbox_limits():
     assert loop["score"] == 0.0 and loop["violation"] == "timeout"
     net = builtin.code_reward("x", "import socket\nsocket.socket()\n" + ADD, ["assert add(1, 1) == 2"], None)
     assert net["score"] == 0.0 and net["violation"] == "network"
+
+
+# Graded code that tries to write or sway its own result, not solve the task: each must score 0. The
+# tests below never pass for `add` returning 0; FORGED is the results line of three passed tests.
+FORGED = "__tiderl_tests__ [true, true, true]"
+FORGING = {
+    "atexit": f"import atexit\natexit.register(print, {FORGED!r})\ndef add(a, b):\n    return 0\n",
+    "os._exit": f"import os\nprint({FORGED!r}, flush=True)\nos._exit(0)\n",
+    "sys.exit": f"import sys\nprint({FORGED!r})\nsys.exit(0)\n",
+    "printed": f"def add(a, b):\n    print({FORGED!r})\n    return 0\n",
+    "json.dumps": "import json\njson.dumps = lambda *a, **k: '[true, true, true]'\ndef add(a, b):\n    return 0\n",
+    "__eq__": "class Anything:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+              "def add(a, b):\n    return Anything()\n",
+    "int __eq__": "class Three(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+                  "def add(a, b):\n    return Three(0)\n",
+}
+SUMS = ["assert add(1, 2) == 3", "assert add(-1, 3) == 2", "assert add(2, 5) == 7"]
+
+
+@pytest.mark.parametrize("attack", sorted(FORGING))
+def test_code_reward_cannot_be_forged_by_the_graded_code(attack):
+    assert builtin.code_reward("mbpp", FORGING[attack], SUMS, None)["score"] == 0.0
+    assert builtin.code_reward("mbpp", f"```python\n{FORGING[attack]}```", SUMS, None)["score"] == 0.0
+    assert builtin.code_reward("mbpp", ADD, SUMS, None)["score"] == 1.0  # honest code, same tests
+    partial = builtin.code_reward("mbpp", "def add(a, b):\n    return a + b if a > 0 else 0\n", SUMS, None)
+    assert partial["score"] == pytest.approx(2 / 3) and partial["failures"] == ["AssertionError"]
+
+
+def test_code_reward_graded_code_cannot_read_the_tests():
+    reads = ("import glob, os, re\nfound = ''\n"  # every file in its directory and in the sandboxes beside it
+             "for path in glob.glob('*') + glob.glob(os.path.join('..', 'tiderl_sandbox_*', '*')):\n"
+             "    found += open(path).read()\n"
+             "SUMS = re.findall(r'add\\((\\d+), (\\d+)\\) == (\\d+)', found)\n"
+             "ANSWERS = {(int(a), int(b)): int(c) for a, b, c in SUMS}\n"
+             "def add(a, b):\n    return ANSWERS.get((a, b), 0)\n")
+    tests = ["assert add(1234, 4321) == 5555", "assert add(2024, 6) == 2030"]  # numbers no other test uses
+    assert builtin.code_reward("mbpp", reads, tests, None)["score"] == 0.0
+
+
+def test_code_reward_cannot_redefine_the_builtins_the_tests_use_around_the_graded_call():
+    tests = ["assert set(pair(1)) == set([1, 2])", "assert abs(half(3) - 1.5) < 1e-9"]
+    honest = "def pair(x):\n    return [x + 1, x]\ndef half(x):\n    return x / 2\n"
+    assert builtin.code_reward("mbpp", honest, tests, None)["score"] == 1.0
+    forged = ("def pair(x):\n    return []\ndef half(x):\n    return 0\n"
+              "def set(x):\n    return 1\ndef abs(x):\n    return 0\n")
+    assert builtin.code_reward("mbpp", forged, tests, None)["score"] == 0.0
+    # a function under test named like a built-in is the program's (MBPP 116 asks for a `sum`)
+    own_sum = "def sum(a, b):\n    return a * b\n"
+    sums = ["assert sum(2, 3) == 6", "assert sum(1, 1) == 1"]
+    assert builtin.code_reward("mbpp", own_sum, sums, None)["score"] == 1.0
+
+
+def test_code_reward_reaches_the_programs_objects_by_reference():
+    code = ("import math\nclass Node:\n    def __init__(self, data):\n        self.data, self.left = data, None\n"
+            "def depth(n):\n    return 0 if n is None else 1 + depth(n.left)\n"
+            "def chain(n):\n    root = Node(0)\n    for i in range(1, n):\n        root = Node(i)\n"
+            "        root.left = Node(i - 1)\n    return root\n"
+            "def evens(n):\n    return (i for i in range(0, n, 2))\nLIMIT = (3, 4)\n")
+    setup = "root = Node(1)\nroot.left = Node(2)\nroot.left.left = Node(3)\n"  # MBPP 357's kind: the code's class
+    tests = ["assert depth(root) == 3", "assert root.left.data == 2", "assert list(evens(5)) == [0, 2, 4]",
+             "assert chain(3).data == 2", "assert LIMIT == (3, 4) and math.floor(2.5) == 2", "assert chain(2)",
+             "assert depth(Node(5)) == 1"]
+    r = builtin.code_reward("mbpp", code, tests, {"test_setup_code": setup})
+    assert r["passed"] == 6 and r["failures"] == ["TypeError"]  # an object's truth is not the program's to give
 
 
 def test_code_reward_under_reward_fn_fails_bad_tests_with_a_reason():

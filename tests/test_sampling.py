@@ -40,3 +40,26 @@ def test_top_k_and_top_p_renormalise_over_the_kept_tokens():
 def test_greedy_rows_take_the_argmax_with_zero_sampling_logprob():
     tok, lps, lpm = _draw(LOGITS, temperature=0.0, n=16)
     assert (tok == 0).all() and (lps == 0).all()
+
+
+def test_a_token_without_mass_is_never_drawn_even_at_u_zero(monkeypatch):
+    from tiderl_jax.engine import sampling
+    monkeypatch.setattr(sampling, "_uniform", lambda keys, stream=None: jnp.zeros(keys.shape[0]))
+    logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.25, 0.3]]))  # top-k 2 keeps tokens 1 and 3: token 0 has no mass
+    keys = row_keys(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
+    tok, lps, _ = sample(logits, jnp.ones(1), jnp.full(1, 2, jnp.int32), jnp.ones(1), keys, filtered=True)
+    assert int(tok[0]) == 1 and np.isfinite(float(lps[0]))  # the first token with mass
+    # a uniform rounded up to the whole mass: the last token with mass, not the cut one after it
+    scaled = jnp.asarray([[0.0, 1.0, -jnp.inf]])
+    assert int(sampling._draw(scaled, jax.nn.logsumexp(scaled, axis=-1), jnp.ones(1))[0]) == 1
+
+
+def test_the_residual_never_draws_the_rejected_draft_even_at_u_zero(monkeypatch):
+    from tiderl_jax.engine import sampling
+    # draft 0 (mass 0.5) rejected (acceptance uniform 0.999), then the residual's draw at u == 0
+    monkeypatch.setattr(sampling, "verify_uniforms", lambda keys: (jnp.full(keys.shape, 0.999), jnp.zeros(keys.shape)))
+    logits = jnp.log(jnp.asarray([[[0.5, 0.2, 0.3], [0.2, 0.3, 0.5]]]))
+    keys = row_keys(jnp.zeros(2, jnp.int32), jnp.arange(2)).reshape(1, 2)
+    tok, lps, _, n = sampling.verify_drafts(logits, jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(1),
+                                            jnp.zeros(1, jnp.int32), jnp.ones(1), keys, filtered=False)
+    assert int(n[0]) == 1 and int(tok[0, 0]) == 1 and np.isfinite(float(lps[0, 0]))

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from tiderl_jax.agents import tasks as T
-from tiderl_jax.agents.sandbox import run_python, run_python_async
+from tiderl_jax.agents.sandbox import run_python, run_python_async, run_python_pair
 from tiderl_jax.model import chat
 
 
@@ -77,11 +77,43 @@ def test_writes_inside_the_sandbox_work_and_vanish():
     ("import multiprocessing as mp\nmp.get_context('spawn').Process(target=print).start()", "process"),
     ("import os\nos.fork()", "process"),
     ("import os\nos.kill(os.getppid(), 0)", "process"),
+    ("import os\nopen(f'/proc/{os.getppid()}/environ').read()", "process"),  # another process's entries
+    ("import os\nopen(f'../../proc/{os.getppid()}/mem', 'rb')", "process"),
     ("import ctypes", "native"),
     ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))", "limits"),
 ])
 def test_processes_native_code_and_limits_are_refused(code, kind):
     assert run_python(code).violation == kind
+
+
+def test_own_proc_entries_stay_readable():
+    r = run_python("import os\nprint(open('/proc/self/status').read().split()[0], os.readlink('/proc/self/fd/1')[:4])")
+    assert r.ok and r.stdout == "Name: pipe\n", r.stderr
+
+
+PEER = "import os\nfd = int(os.environ['SANDBOX_PEER_FD'])\n"
+
+
+def test_a_pair_of_programs_talks_over_its_socket_alone():
+    code = PEER + "os.write(fd, b'ping')\nprint(os.read(fd, 100).decode())"
+    peer = PEER + ("import sys\nprint('peer output', flush=True)\nprint('peer error', file=sys.stderr, flush=True)\n"
+                   "os.write(fd, os.read(fd, 100).upper())\nos.read(fd, 1)")  # serves until the first ends
+    first, second = run_python_pair(code, peer)
+    assert first.ok and first.stdout == "PING\n" and first.violation is None
+    assert second.stdout == "peer output\n" and second.stderr == "peer error" and second.violation is None
+    # the peer cannot write in the first's directory: it tries once the first has written its file
+    code = PEER + "open('out.txt', 'w').write('mine')\nos.write(fd, b'.')\nos.read(fd, 1)\n" \
+                  "print(open('out.txt').read())"
+    spy = PEER + "import glob\nos.read(fd, 1)\nfor p in glob.glob('../tiderl_sandbox_*/out.txt'):\n    open(p, 'w')\n"
+    first, second = run_python_pair(code, spy)
+    assert first.stdout == "mine\n" and second.violation == "filesystem"
+    # a peer that ends is seen by the first at once (end of file); one that hangs ends the run at the time limit
+    first, _ = run_python_pair(PEER + "print(os.read(fd, 1))", "raise SystemExit(3)")
+    assert first.ok and first.stdout == "b''\n"
+    first, second = run_python_pair(PEER + "os.read(fd, 1)", "while True:\n    pass", time_limit_s=0.5)
+    assert first.violation == "timeout" and second.violation == "timeout"
+    _, second = run_python_pair(PEER + "os.read(fd, 1)", "while True:\n    print('x' * 100)", max_output_chars=300)
+    assert second.violation == "output_limit"
 
 
 def _turns(task):

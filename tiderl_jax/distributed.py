@@ -13,8 +13,9 @@ on every one (docs/multihost.md).
   processes' objects (the signals, the batch). Each call is numbered, so every process must make the same
   calls in the same order, which the controller's lockstep at step boundaries guarantees.
 - **Faults** (`Cluster.start_watchdog`): each process writes a heartbeat every second; a process whose heartbeat
-  stops for `heartbeat_timeout_s` (it died, or it hangs: a stopped process stops beating too) makes every other
-  one exit with status 1 and an error naming it, and so does the coordinator going away. JAX's own detection
+  stops for `heartbeat_timeout_s` (it died, or it hangs: a stopped process stops beating too), or that has not
+  beaten for that long since the watcher's watchdog started, makes every other one exit with status 1 and an
+  error naming it, and so does the coordinator going away. JAX's own detection
   (its heartbeat timeout, which aborts with a stack trace) is set later than ours as the backstop. A process
   alive but stuck in its loop is caught by the next exchange's timeout (`exchange_timeout_s`), named too.
 
@@ -348,31 +349,49 @@ class Cluster:
         self._watchdog.start()
 
     def _watch(self) -> None:
-        client, me, timeout = self._client, self.index, self.spec.heartbeat_timeout_s
-        seen = {q: (None, time.monotonic()) for q in range(self.count) if q != me}
+        client, me = self._client, self.index
+        start = time.monotonic()
+        seen = {q: (None, start) for q in range(self.count) if q != me}  # q -> (its last beat, seen since)
         beat = 0
         while not self._stop.is_set():
             beat += 1
             try:
                 client.key_value_set(f"tiderl/hb/{me}", str(beat), allow_overwrite=True)
-                for q, (last, since) in seen.items():
-                    value = client.key_value_try_get(f"tiderl/hb/{q}")
-                    if value == "done":  # it finished normally
-                        continue
-                    if value != last:
-                        seen[q] = (value, time.monotonic())
-                    elif time.monotonic() - since > timeout:
-                        return self._report(f"process {q} of {self.count} stopped: no heartbeat for "
-                                            f"{time.monotonic() - since:.0f} s (it died or hangs)")
-            except Exception as e:  # noqa: BLE001 - the coordinator (process 0) is gone, or q never beat yet
-                text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                if "NOT_FOUND" in text:  # a process that has not beaten yet: its start counts from ours
-                    pass
-                elif self._stop.is_set():
+                silent = self._silent(client, seen)
+            except Exception as e:  # noqa: BLE001 - the coordinator (process 0) is gone
+                if self._stop.is_set():
                     return
-                elif me != 0:
+                if me != 0:
+                    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                     return self._report(f"process 0 of {self.count} (the coordinator) is gone ({text})")
+                silent = None
+            if silent is not None:
+                return self._report(silent)
             self._stop.wait(1.0)
+
+    def _silent(self, client, seen: dict) -> str | None:
+        """Reads every other process's beat (updating `seen`); the message naming the first one silent for
+        longer than the timeout, else None. A process that has not beaten yet is silent since this watchdog
+        started: one that died before its first beat is named too."""
+        timeout = self.spec.heartbeat_timeout_s
+        for q, (last, since) in seen.items():
+            try:
+                value = client.key_value_try_get(f"tiderl/hb/{q}")
+            except Exception as e:  # noqa: BLE001
+                if "NOT_FOUND" not in str(e):
+                    raise
+                value = None  # no beat yet
+            now = time.monotonic()
+            if value == "done":  # it finished normally
+                continue
+            if value != last:
+                seen[q] = (value, now)
+            elif now - since > timeout:
+                if last is None:
+                    return (f"process {q} of {self.count} stopped: no heartbeat in the {now - since:.0f} s since "
+                            f"the watchdog started (it died before its first, or hangs)")
+                return f"process {q} of {self.count} stopped: no heartbeat for {now - since:.0f} s (it died or hangs)"
+        return None
 
     def _report(self, message: str) -> None:
         if not self._stop.is_set() and self.on_failure is not None:

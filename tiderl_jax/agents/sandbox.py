@@ -14,7 +14,8 @@ empty environment. A short prelude runs in the child before the program:
   - `filesystem`: opening a file for writing, or removing / renaming / linking / chmod-ing / making a
     directory, outside the temporary directory (symlinks resolved). Reading is allowed;
   - `process`: starting processes (`subprocess`, `os.system`, `os.exec*`, `os.fork`,
-    `os.posix_spawn`, multiprocessing) and signalling other processes;
+    `os.posix_spawn`, multiprocessing), signalling other processes, and opening another process's
+    entries under /proc (its memory, descriptors, environment);
   - `native`: loading native code through ctypes; `limits`: changing the resource limits.
   The program cannot catch a violation: the hook writes a marker line to stderr and exits with
   status 97, which the parent reports as `SandboxResult.violation`.
@@ -24,6 +25,11 @@ The parent enforces the wall-clock limit (`timeout`) and the stdout limit (`outp
 keeps its last `max_output_chars` bytes instead, where a traceback ends). It kills the program's
 whole process group (`start_new_session=True`) after every run, so nothing the program started
 outlives it, and removes the temporary directory.
+
+`run_python_pair(code, peer)` runs two programs so, side by side, each in its own directory and process
+group, joined only by a Unix socket pair (its descriptor in `SANDBOX_PEER_FD`); the run ends when `code`
+ends. The code reward runs its test judge and the graded program this way, so that the graded program can
+answer calls but cannot write the judge's output.
 
 What it does not guard: an audit hook is not a security boundary. Code that reaches native code by
 other means, tampers with the hook through introspection, or writes through descriptor-relative
@@ -37,12 +43,14 @@ not for hostile native code: run the trainer in a container for that. Linux only
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -96,6 +104,16 @@ def inside(path, dir_fd=None):
     return path == root or path.startswith(root + os.sep)
 
 
+def another_process(path):
+    """Whether `path` names an entry of another process under /proc (its memory, descriptors, environment)."""
+    try:
+        path = os.path.abspath(os.fsdecode(path))
+        parts = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path)).split(os.sep)
+    except (OSError, TypeError, ValueError):
+        return True
+    return len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and parts[2] != str(os.getpid())
+
+
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 # event -> (index of a path argument, index of its dir_fd argument or None) for each path it changes
 FS_EVENTS = {
@@ -115,6 +133,8 @@ def hook(event, args):
         path, _, flags = args
         if not isinstance(path, int) and flags & WRITE_FLAGS and not inside(path):  # an int is an open descriptor
             refuse("filesystem", f"open {path!r}")
+        if not isinstance(path, int) and another_process(path):
+            refuse("process", f"open {path!r}")
     elif event in FS_EVENTS:
         for p, d in FS_EVENTS[event]:
             if not inside(args[p], None if d is None else args[d]):
@@ -166,24 +186,63 @@ def run_python(code: str, *, stdin: str = "", time_limit_s: float = 2.0, memory_
     `max_output_chars` counts bytes of UTF-8 output (characters, for ASCII). Nothing the program
     does raises out of here: its failures and violations are in the result.
     """
-    with tempfile.TemporaryDirectory(prefix="tiderl_sandbox_", ignore_cleanup_errors=True) as tmp:
-        with open(os.path.join(tmp, "main.py"), "w", encoding="utf-8") as f:
-            f.write(code)
-        with open(os.path.join(tmp, "stdin.txt"), "w", encoding="utf-8") as f:
-            f.write(stdin)
-        argv = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", _PRELUDE, _MARKER, str(_VIOLATION_STATUS),
-                str(memory_limit_mb << 20), str(math.ceil(time_limit_s)), str(_MAX_FILE_BYTES)]
+    return _run((code,), stdin, time_limit_s, memory_limit_mb, max_output_chars)[0]
+
+
+def run_python_pair(code: str, peer: str, *, time_limit_s: float = 2.0, memory_limit_mb: int = 256,
+                    max_output_chars: int = 2000) -> tuple[SandboxResult, SandboxResult]:
+    """Runs `code` and `peer` side by side, each in a sandbox of its own (temporary directory, process group,
+    `run_python`'s limits), joined by a Unix socket pair: each finds its end's descriptor number in the
+    environment variable SANDBOX_PEER_FD. Returns their results, `code`'s first.
+
+    The run ends when `code` exits (or at the time limit, or when either's stdout passes the limit); `peer`
+    is killed then. Neither can write to the other's directory, output or process, so `code` can judge an
+    untrusted `peer` through the socket alone (the code reward does). Both can read files, the other's
+    directory included.
+    """
+    first, second = _run((code, peer), "", time_limit_s, memory_limit_mb, max_output_chars)
+    return first, second
+
+
+def _run(codes: tuple[str, ...], stdin: str, time_limit_s: float, memory_limit_mb: int,
+         max_output_chars: int) -> list[SandboxResult]:
+    """Starts each program in its own directory (two: joined by a socket pair), collects them, cleans up."""
+    argv = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", _PRELUDE, _MARKER, str(_VIOLATION_STATUS),
+            str(memory_limit_mb << 20), str(math.ceil(time_limit_s)), str(_MAX_FILE_BYTES)]
+    with contextlib.ExitStack() as stack:
+        ends = socket.socketpair() if len(codes) == 2 else (None,)
+        for end in ends:
+            if end is not None:
+                stack.enter_context(end)
         start = time.monotonic()
-        with open(os.path.join(tmp, "stdin.txt"), "rb") as stdin_file:
-            proc = subprocess.Popen(argv, cwd=tmp, env={"HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"},
-                                    stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True)
-        with proc:  # closes the pipes and reaps the program on the way out
-            try:
-                out, err, violation = _collect(proc, start + time_limit_s, max_output_chars)
-            finally:
-                os.killpg(proc.pid, signal.SIGKILL)  # the program is not reaped yet: its group is ours
-        wall_s = time.monotonic() - start
+        procs = []
+        for code, end in zip(codes, ends):
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="tiderl_sandbox_",
+                                                                  ignore_cleanup_errors=True))
+            with open(os.path.join(tmp, "main.py"), "w", encoding="utf-8") as f:
+                f.write(code)
+            with open(os.path.join(tmp, "stdin.txt"), "w", encoding="utf-8") as f:
+                f.write(stdin)
+            env = {"HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
+            if end is not None:
+                env["SANDBOX_PEER_FD"] = str(end.fileno())
+            with open(os.path.join(tmp, "stdin.txt"), "rb") as stdin_file:
+                proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=stdin_file, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, start_new_session=True,
+                                        pass_fds=() if end is None else (end.fileno(),))
+            stack.enter_context(proc)  # closes the pipes and reaps the program on the way out
+            stack.callback(os.killpg, proc.pid, signal.SIGKILL)  # first: not reaped yet, its group is ours
+            procs.append(proc)
+        for end in ends:  # the programs hold theirs: one that ends is seen by the other at once
+            if end is not None:
+                end.close()
+        collected = _collect(procs, start + time_limit_s, max_output_chars)
+    wall_s = time.monotonic() - start
+    return [_result(proc, out, err, violation, wall_s) for proc, (out, err, violation) in zip(procs, collected)]
+
+
+def _result(proc: subprocess.Popen, out: bytearray, err: bytearray, violation: str | None,
+            wall_s: float) -> SandboxResult:
     stderr = err.decode(errors="replace")
     if violation is None and proc.returncode == _VIOLATION_STATUS:
         found = list(_VIOLATION_LINE.finditer(stderr))
@@ -195,32 +254,61 @@ def run_python(code: str, *, stdin: str = "", time_limit_s: float = 2.0, memory_
     return SandboxResult(out.decode(errors="replace"), stderr.strip("\n"), proc.returncode, violation, wall_s)
 
 
-def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> tuple[bytearray, bytearray, str | None]:
-    """Reads the program's output until it exits; stops early (with the violation) at the deadline or
-    when stdout passes `limit`. Returns (stdout head, stderr tail, violation or None). Waits for the
-    exit without reaping, so that the caller can still kill the process group safely."""
-    out, err = bytearray(), bytearray()
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether the program has exited, without reaping it (its process group stays ours to kill)."""
+    return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _collect(procs: list[subprocess.Popen], deadline: float,
+             limit: int) -> list[tuple[bytearray, bytearray, str | None]]:
+    """Reads the programs' output until the first one exits; stops early at the deadline (`timeout` for the
+    first and for each other still running) or when a program's stdout passes `limit` (`output_limit` for
+    it). Returns (stdout head, stderr tail, violation or None) per program. Waits for the exit without
+    reaping, so that the caller can still kill the process groups safely."""
+    got = [(bytearray(), bytearray(), [None]) for _ in procs]
+
+    def read(key) -> bool:  # False: that stdout passed the limit
+        out, err, violation = got[key.data[0]]
+        chunk = os.read(key.fd, 1 << 16)
+        if not chunk:
+            selector.unregister(key.fileobj)
+        buffer = out if key.data[1] else err
+        buffer.extend(chunk)
+        if len(out) > limit:
+            del out[limit:]
+            violation[0] = "output_limit"
+            return False
+        del err[:-limit]
+        return True
+
+    def results():
+        return [(out, err, violation[0]) for out, err, violation in got]
+
+    def timed_out():
+        for i, (proc, (_, _, violation)) in enumerate(zip(procs, got)):
+            if i == 0 or not _exited(proc):
+                violation[0] = "timeout"
+        return results()
+
     with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ, out)
-        selector.register(proc.stderr, selectors.EVENT_READ, err)
-        while selector.get_map():
+        for i, proc in enumerate(procs):
+            selector.register(proc.stdout, selectors.EVENT_READ, (i, True))
+            selector.register(proc.stderr, selectors.EVENT_READ, (i, False))
+        while any(key.data[0] == 0 for key in selector.get_map().values()):  # the first's output is open
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return out, err, "timeout"
+                return timed_out()
             for key, _ in selector.select(remaining):
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:
-                    selector.unregister(key.fileobj)
-                key.data.extend(chunk)
-                if len(out) > limit:
-                    del out[limit:]
-                    return out, err, "output_limit"
-                del err[:-limit]
-    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                if not read(key):
+                    return results()
+        for key, _ in selector.select(0):  # what the others wrote before the first ended (a traceback)
+            if not read(key):
+                return results()
+    while not _exited(procs[0]):
         if time.monotonic() >= deadline:  # it closed its output but runs on
-            return out, err, "timeout"
+            return timed_out()
         time.sleep(0.005)
-    return out, err, None
+    return results()
 
 
 async def run_python_async(code: str, **limits: Any) -> SandboxResult:

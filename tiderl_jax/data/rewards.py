@@ -15,10 +15,11 @@ veRL reward files are ordinary module-level Python that may close over state, re
 hold unpicklable objects, and a subprocess per call would have to re-import the module (tens of ms)
 or pickle the function; a thread keeps the event loop free while the function runs, at no cost. The
 price: Python cannot kill a thread, so a call that hangs past its timeout is abandoned (the daemon
-thread does not keep the process alive at exit) and counted in `RewardFn.abandoned`; past
-`max_abandoned` of them the function is considered broken and later calls fail at once instead of
-piling up threads. The code reward runs the model's code in `agents/sandbox.py`'s subprocess, which
-is killed at its own time limit, so the unbounded work is never in the thread.
+thread does not keep the process alive at exit) and counted in `RewardFn.abandoned` while it runs on
+(a slow call that finishes later leaves the count); with `max_abandoned` of them running at once the
+function is considered broken and later calls fail at once instead of piling up threads. The code
+reward runs the model's code in `agents/sandbox.py`'s subprocesses, which are killed at their own
+time limit, so the unbounded work is never in the thread.
 
 A call that raises, times out, or returns something that is not a number (or a dict without a
 numeric `score`) raises `RewardFailed` with the reason (`reward_error` / `reward_timeout`) and a
@@ -49,7 +50,7 @@ BUILTIN_REWARDS = {"math": "tiderl_jax.data.builtin:math_reward",
                    "reasoning_gym": "tiderl_jax.data.packaged:reasoning_gym_reward",
                    "auto": "tiderl_jax.data.builtin:auto_reward"}
 DEFAULT_TIMEOUT_S = 10.0
-MAX_ABANDONED = 16  # hung calls left behind before the function is considered broken
+MAX_ABANDONED = 16  # abandoned calls still running at which the function is considered broken
 
 
 class ImportPathError(ValueError):
@@ -134,7 +135,8 @@ class RewardFn:
         self.fn, self.name = fn, name or getattr(fn, "__qualname__", repr(fn))
         self.timeout_s, self.max_abandoned = timeout_s, max_abandoned
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-        self.abandoned = 0  # calls that outlived their timeout in a thread that could not be stopped
+        self.abandoned = 0  # calls past their timeout still running in a thread that could not be stopped
+        self._lock = threading.Lock()  # `abandoned` changes on the event loop and in the calls' threads
         self.calls = 0
 
     def __repr__(self):
@@ -144,8 +146,8 @@ class RewardFn:
                        extra_info: Any = None) -> RewardResult:
         self.calls += 1
         if self.abandoned >= self.max_abandoned:
-            raise RewardFailed("reward_timeout", f"reward function {self.name}: {self.abandoned} calls hung past "
-                                                 f"{self.timeout_s}s; not called again")
+            raise RewardFailed("reward_timeout", f"reward function {self.name}: {self.abandoned} calls still "
+                                                 f"running past {self.timeout_s}s; not called until they end")
         args = (data_source, solution_str, ground_truth, extra_info)
         try:
             if self.is_async:
@@ -170,11 +172,17 @@ class RewardFn:
             if not future.done():
                 (future.set_result if ok else future.set_exception)(value)
 
+        state = {"finished": False, "abandoned": False}  # under self._lock: whichever comes second counts
+
         def work():
             try:
                 value, ok = self.fn(*args), True
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
                 value, ok = e, False
+            with self._lock:
+                state["finished"] = True
+                if state["abandoned"]:  # it outlived its timeout but has ended now
+                    self.abandoned -= 1
             try:
                 loop.call_soon_threadsafe(settle, ok, value)
             except RuntimeError:  # the loop closed meanwhile (an abandoned call)
@@ -184,7 +192,10 @@ class RewardFn:
         try:
             return await asyncio.wait_for(future, self.timeout_s)  # cancelled on timeout; settle skips it
         except asyncio.TimeoutError:
-            self.abandoned += 1
+            with self._lock:
+                state["abandoned"] = True
+                if not state["finished"]:
+                    self.abandoned += 1
             raise
 
     def _result(self, value: Any) -> RewardResult:

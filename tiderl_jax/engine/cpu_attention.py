@@ -6,9 +6,10 @@ and grows with the padded span. The kernel reads each row's own pages in place w
 
 It is compiled at first use with the system's C++ compiler (`$CXX`, else `g++`) against the FFI headers
 that jaxlib ships, for this machine's CPU, into `$TIDERL_KERNEL_CACHE` (default
-`~/.cache/tiderl_jax/kernels`), keyed by the source, the flags and the CPU; a missing compiler or a failed
-build leaves `available()` False with the reason in `unavailable_reason()`, and the engine's `auto`
-choice falls back to `xla`. Used for calls of at most `MAX_QUERY_TOKENS` tokens per row (decode and
+`~/.cache/tiderl_jax/kernels`), keyed by the source, the flags, the compiler, the CPU and jaxlib (its
+version and its FFI headers: an upgrade builds anew); a missing compiler or a failed build leaves
+`available()` False with the reason in `unavailable_reason()`, and the engine's `auto` choice falls
+back to `xla`. Used for calls of at most `MAX_QUERY_TOKENS` tokens per row (decode and
 speculative verification); a longer chunk (prefill) goes to the `xla` implementation, whose dots do
 better on many queries. Float32 only.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 SOURCE = Path(__file__).with_name("paged_attention.cc")
@@ -48,12 +50,25 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
+def _key(cxx: str) -> str:
+    """The built kernel's name in the cache: a hash of what the library depends on (the source, the flags, the
+    compiler, the CPU, and jaxlib: its version and the FFI headers compiled against), so that a jaxlib
+    upgrade builds a new one instead of loading a library built against other headers."""
+    include = Path(jax.ffi.include_dir())
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu_key().encode(), cxx.encode(),
+                 jaxlib.__version__.encode(), str(include).encode()):
+        digest.update(part + b"\0")
+    for header in sorted(include.rglob("*.h")):
+        digest.update(str(header.relative_to(include)).encode() + b"\0" + header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _build() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx or not shutil.which(cxx):
         raise RuntimeError(f"no C++ compiler{f' {cxx!r}' if cxx else ''} found (set CXX or install g++)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_key().encode() + cxx.encode()).hexdigest()[:16]
+    key = _key(cxx)
     cache = Path(os.environ.get("TIDERL_KERNEL_CACHE", Path.home() / ".cache" / "tiderl_jax" / "kernels"))
     lib = cache / f"paged_attention_{key}.so"
     if lib.exists():

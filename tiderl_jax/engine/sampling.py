@@ -88,9 +88,16 @@ def _sampling_logits(logits, temperature, top_k, top_p, filtered):
 def _draw(scaled, lse, u):
     """Inverse-CDF draw of one token per row from softmax(scaled) [b, V], u [b] uniform in [0, 1): one
     uniform per row instead of one Gumbel per vocabulary entry (the categorical sampler's way), which
-    made sampling a fifth of a CPU decode step."""
-    cdf = jnp.cumsum(jnp.exp(scaled - lse[:, None]), axis=-1)
-    return jnp.minimum(jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1), scaled.shape[-1] - 1)
+    made sampling a fifth of a CPU decode step.
+
+    The draw is the first token whose cdf passes u times the mass. A token without mass (cut by top-k /
+    top-p, the rejected draft in a residual) is never drawn: its cdf is taken as 0, so it passes nothing,
+    not even at u == 0; and u times the mass is kept below the largest cdf, so that rounding cannot put it
+    past every token."""
+    p = jnp.exp(scaled - lse[:, None])
+    cdf = jnp.where(p > 0, jnp.cumsum(p, axis=-1), 0.0)
+    top = jnp.max(cdf, axis=-1, keepdims=True)
+    return jnp.argmax(cdf > jnp.minimum(u[:, None] * top, jnp.nextafter(top, 0.0)), axis=-1)
 
 
 def _uniform(keys, stream: int | None = None):
