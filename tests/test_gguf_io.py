@@ -1,7 +1,8 @@
 """GGUF checkpoints: written-here files against transformers' logits, every quant type against the plain
-reference (gguf's dequantize + llama.cpp's permutation undone row by row), sharded placement, named
-errors; and the real SmolLM2-135M-Instruct (Q4_1) against transformers' greedy continuation
-(tests/fixtures/gguf/, made by tests/fixtures/make_gguf_fixtures.py)."""
+reference (gguf's dequantize + llama.cpp's permutation undone row by row), Q4_K and Q6_K against the values
+their blocks were built from (encoded here from llama.cpp's block layout: independent of gguf's dequantizer,
+which the loader calls), sharded placement, named errors; and the real SmolLM2-135M-Instruct (Q4_1) against
+transformers' greedy continuation (tests/fixtures/gguf/, made by tests/fixtures/make_gguf_fixtures.py)."""
 
 import json
 import math
@@ -65,18 +66,64 @@ def llama3_rope_factors(head_dim, theta, factor, low, high, ctx):
     return np.asarray(out, np.float32)
 
 
-def _quantize(w: np.ndarray, kind: str, rng) -> np.ndarray:
-    """`w` stored as `kind`: gguf's quantizer where it has one, else random blocks (K-quants: every byte
-    with bit 6 clear, so the f16 scales stay finite)."""
+def encode_q4_k(d, dmin, sc, m, q) -> np.ndarray:
+    """llama.cpp's `block_q4_K` (ggml-common.h) from its parts, per block: f16 `d`, `dmin`; 6-bit `sc[8]`,
+    `m[8]` (one per 32 weights); 4-bit `q[256]`. Weight i is d * sc[i // 32] * q[i] - dmin * m[i // 32]."""
+    nb = len(d)
+    scales = np.zeros((nb, 12), np.uint8)  # get_scale_min_k4's packing: 8 + 8 six-bit numbers in 12 bytes
+    scales[:, 0:4] = sc[:, :4] | (sc[:, 4:] >> 4) << 6
+    scales[:, 4:8] = m[:, :4] | (m[:, 4:] >> 4) << 6
+    scales[:, 8:12] = (sc[:, 4:] & 0xF) | (m[:, 4:] & 0xF) << 4
+    q = q.reshape(nb, 4, 2, 32)  # 64 weights per 32 bytes: the first 32 in the low nibbles, the next in the high
+    qs = (q[:, :, 0] | q[:, :, 1] << 4).reshape(nb, 128)
+    halves = np.stack([d, dmin], 1).astype(np.float16).view(np.uint8)
+    return np.concatenate([halves, scales, qs.astype(np.uint8)], 1)
+
+
+def encode_q6_k(d, scales, q) -> np.ndarray:
+    """llama.cpp's `block_q6_K` from its parts, per block: f16 `d`, int8 `scales[16]` (one per 16 weights),
+    6-bit `q[256]`. Weight i is d * scales[i // 16] * (q[i] - 32)."""
+    nb = len(d)
+    q = q.reshape(nb, 2, 4, 32)  # per 128 weights: 4 rows of 32 (l, l + 32, l + 64, l + 96)
+    ql = np.concatenate([q[:, :, 0] & 0xF | (q[:, :, 2] & 0xF) << 4, q[:, :, 1] & 0xF | (q[:, :, 3] & 0xF) << 4], 2)
+    qh = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    return np.concatenate([ql.reshape(nb, 128).astype(np.uint8), qh.reshape(nb, 64).astype(np.uint8),
+                           scales.astype(np.int8).view(np.uint8), d.astype(np.float16)[:, None].view(np.uint8)], 1)
+
+
+def built_k_quant(shape, kind: str, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(the bytes of a `shape` tensor in `kind` built from random parts, the weights those parts define)."""
+    nb = shape[0] * shape[1] // 256
+    d = rng.uniform(1e-3, 2e-2, nb).astype(np.float16).astype(np.float64)
+    if kind == "Q4_K":
+        dmin = rng.uniform(1e-3, 2e-2, nb).astype(np.float16).astype(np.float64)
+        sc, m = (rng.integers(0, 64, (nb, 8), dtype=np.uint8) for _ in range(2))
+        q = rng.integers(0, 16, (nb, 256), dtype=np.uint8)
+        data = encode_q4_k(d, dmin, sc, m, q)
+        values = d[:, None] * np.repeat(sc, 32, 1) * q - dmin[:, None] * np.repeat(m, 32, 1)
+    else:
+        scales = rng.integers(-128, 128, (nb, 16))
+        q = rng.integers(0, 64, (nb, 256), dtype=np.uint8)
+        data = encode_q6_k(d, scales, q)
+        values = d[:, None] * np.repeat(scales, 16, 1) * (q.astype(np.int64) - 32)
+    return data.reshape(gguf.quants.quant_shape_to_byte_shape(shape, Q[kind])), values.reshape(shape)
+
+
+def _quantize(w: np.ndarray, kind: str, rng) -> tuple[np.ndarray, np.ndarray | None]:
+    """`w` stored as `kind`, and the weights the stored blocks define when built here (else None): gguf's
+    quantizer where it has one; Q4_K and Q6_K built from random parts (`built_k_quant`); the other K-quants
+    random blocks (every byte with bit 6 clear, so the f16 scales stay finite)."""
     if kind == "F32":
-        return w.astype(np.float32)
+        return w.astype(np.float32), None
     if kind == "F16":
-        return w.astype(np.float16)
+        return w.astype(np.float16), None
     qtype = Q[kind]
+    if kind in ("Q4_K", "Q6_K"):
+        return built_k_quant(w.shape, kind, rng)
     if kind.endswith("_K"):
         shape = gguf.quants.quant_shape_to_byte_shape(w.shape, qtype)
-        return (rng.integers(0, 256, size=shape, dtype=np.uint8) & 0xBF).astype(np.uint8)
-    return gguf.quants.quantize(w.astype(np.float32), qtype)
+        return (rng.integers(0, 256, size=shape, dtype=np.uint8) & 0xBF).astype(np.uint8), None
+    return gguf.quants.quantize(w.astype(np.float32), qtype), None
 
 
 def write_gguf(path, hf_cfg: dict, hf_tensors: dict, *, kind="F32", arch="llama", rope_factors=None,
@@ -113,11 +160,11 @@ def write_gguf(path, hf_cfg: dict, hf_tensors: dict, *, kind="F32", arch="llama"
         elif hf_name.endswith("k_proj.weight"):
             t = llama_cpp_permute(t, cfg.num_kv_heads)
         this = (override_types or {}).get(gg_name, kind if t.ndim == 2 else "F32")
-        data = _quantize(t, this, rng) if this in gguf_io.SUPPORTED_QUANTS else \
-            rng.integers(0, 256, size=gguf.quants.quant_shape_to_byte_shape(t.shape, Q[this]), dtype=np.uint8)
+        data, values = _quantize(t, this, rng) if this in gguf_io.SUPPORTED_QUANTS else \
+            (rng.integers(0, 256, size=gguf.quants.quant_shape_to_byte_shape(t.shape, Q[this]), dtype=np.uint8), None)
         raw = None if this in ("F32", "F16") else Q[this]
         w.add_tensor(gg_name, data, raw_dtype=raw)
-        stored[hf_name] = (data, this)
+        stored[hf_name] = (data, this, values)
     if rope_factors is not None:
         w.add_tensor("rope_freqs.weight", rope_factors)
     w.write_header_to_file()
@@ -173,10 +220,9 @@ def test_llama_gguf_logits_match_transformers(tmp_path, mesh_shape):
     assert tok.decode(tok.encode("héllo 🙂")) == "héllo 🙂" and tok.stop_ids == (0,)
 
 
-@pytest.mark.parametrize("kind", gguf_io.SUPPORTED_QUANTS)
-def test_each_quant_type_matches_the_plain_reference(tmp_path, kind):
-    """A one-layer model whose inner dimensions hold whole K-quant blocks (256), every 2-D weight in `kind`:
-    loaded parameters == gguf.quants.dequantize of the stored blocks with Q/K un-permuted row by row."""
+def _one_layer_in(tmp_path, kind):
+    """A one-layer model whose inner dimensions hold whole K-quant blocks (256), every 2-D weight written in
+    `kind` and loaded: (its config, the source tensors, what `write_gguf` stored, the loaded HF parameters)."""
     hf_cfg = dict(model_type="llama", vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                   rope_theta=10000.0, tie_word_embeddings=False)
@@ -186,17 +232,41 @@ def test_each_quant_type_matches_the_plain_reference(tmp_path, kind):
                for lay, shape in ((lay, _shape(cfg, k)) for k, lay in hf_layouts(cfg).items())}
     stored = write_gguf(tmp_path / "m.gguf", hf_cfg, tensors, kind=kind)
     model, _ = gguf_io.load_gguf(tmp_path / "m.gguf")
-    got = _hf_params(model)
-    for name, (data, this) in stored.items():
-        ref = gguf.quants.dequantize(data, Q[this]).astype(np.float32)
-        if name.endswith("q_proj.weight"):
-            ref = reference_unpermute(ref, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
-            ref = reference_unpermute(ref, cfg.num_kv_heads)
+    return cfg, tensors, stored, _hf_params(model)
+
+
+def _unpermuted(name, w, cfg):
+    if name.endswith("q_proj.weight"):
+        return reference_unpermute(w, cfg.num_heads)
+    if name.endswith("k_proj.weight"):
+        return reference_unpermute(w, cfg.num_kv_heads)
+    return w
+
+
+@pytest.mark.parametrize("kind", gguf_io.SUPPORTED_QUANTS)
+def test_each_quant_type_matches_the_plain_reference(tmp_path, kind):
+    """Every 2-D weight in `kind`: loaded parameters == gguf.quants.dequantize of the stored blocks with Q/K
+    un-permuted row by row (the layout and the un-permutation; the values: the next test for K-quants)."""
+    cfg, tensors, stored, got = _one_layer_in(tmp_path, kind)
+    for name, (data, this, _) in stored.items():
+        ref = _unpermuted(name, gguf.quants.dequantize(data, Q[this]).astype(np.float32), cfg)
         np.testing.assert_array_equal(got[name], ref.reshape(got[name].shape), err_msg=f"{kind} {name}")
     if kind in ("F32", "F16", "BF16", "Q8_0"):  # close to the weights they quantize
         tol = {"F32": 0, "F16": 1e-2, "BF16": 3e-2, "Q8_0": 5e-2}[kind]
         assert np.abs(got["model.layers.0.mlp.up_proj.weight"] - tensors["model.layers.0.mlp.up_proj.weight"]).max() <= tol
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quants_load_as_the_weights_their_blocks_were_built_from(tmp_path, kind):
+    """Blocks encoded here from their parts (scales, mins, quants: llama.cpp's layout) load as the weights
+    those parts define, Q/K un-permuted: a check of the values that does not go through gguf's dequantizer."""
+    cfg, _, stored, got = _one_layer_in(tmp_path, kind)
+    built = {name: values for name, (_, this, values) in stored.items() if this == kind}
+    assert len(built) == 9 and all(v is not None for v in built.values())  # every 2-D weight
+    for name, values in built.items():
+        ref = _unpermuted(name, values, cfg)
+        assert np.abs(ref).max() > 1  # many quantization steps
+        np.testing.assert_allclose(got[name], ref, rtol=1e-6, atol=1e-5, err_msg=f"{kind} {name}")
 
 
 def _shape(cfg, key):

@@ -42,6 +42,24 @@ def test_the_drafter_indexes_a_context_incrementally_and_bounds_its_keys():
     assert len(d) == 2 and d.draft("a", [2, 3], 2) == []  # "a" was the least recently used
 
 
+def test_the_drafter_bounds_the_tokens_indexed_over_all_keys_dropping_the_least_recently_used():
+    d = Drafter(max_match=2, max_tokens=10)
+    d.add("a", [1, 2, 3, 4])
+    d.add("b", [5, 6, 7, 8])
+    assert d.draft("a", [1], 2) == [2, 3]  # "a" is now more recent than "b"
+    d.extend("c", [], [9, 10, 11])  # 11 tokens: the least recently used key, "b", goes
+    assert d.num_tokens == 7 and d.draft("b", [5], 1) == [] and d.draft("a", [1], 1) == [2]
+    d.extend("c", [9, 10, 11], [12, 13, 14, 15])  # 11 again: "a" goes, "c" (the one indexing) stays
+    assert d.num_tokens == 7 and len(d) == 1 and d.draft("c", [11], 2) == [12, 13]
+    d.extend("c", [], list(range(20, 40)))  # one key alone: indexed up to the bound, the rest not
+    assert d.num_tokens == 10 == d.index("c").num_tokens and d.draft("c", [21], 1) == [22]
+    assert d.draft("c", [22], 1) == []
+    for i in range(100):  # many keys: the total never passes the bound
+        d.add(i, [i, i + 1, i + 2])
+        assert d.num_tokens == sum(x.num_tokens for x in d._indexes.values()) <= 10
+    assert len(d) == 3
+
+
 # ------------------------------------------------------------------------------------------ the verification
 
 def _verify_reference(logits, drafts, num_drafts, temperature, top_k, top_p, u_acc, u_draw):

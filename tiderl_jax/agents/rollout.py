@@ -404,7 +404,10 @@ class RolloutRunner:
         whole context and keeps its KV; a later one resumes on the replica holding it, prefilling only the
         observation. Request-level: every turn submits the whole context (the prefix cache may hit)."""
         context, images = list(traj.tokens), list(traj.images)  # absolute offsets
-        draft_key = ("task", s.task.task_id)  # speculative drafts from the task's group and earlier epochs
+        # speculative drafts from what this task's samples have generated so far (its GRPO group). A train task's
+        # id is new in every group and epoch (a dataset's ends in /e<epoch>), so nothing carries over from earlier
+        # epochs; only held-out tasks, evaluated again during RL, may find their earlier evaluations' tokens
+        draft_key = ("task", s.task.task_id)
         ctb_mode = self.config.mode == "ctb"
         if ctb_mode:
             def submit(eng: Engine) -> int:

@@ -36,6 +36,9 @@ class EngineConfig:
     speculation: str = "off"
     spec_tokens: int = 4  # drafted tokens verified per step and sequence
     spec_max_batch: int = 16  # WAR: speculation only at effective batches up to this (the paper's ~16)
+    # the drafter's memory bound: tokens indexed over all its draft keys (least recently used keys dropped past
+    # it; engine/drafter.py: about 2.2 KB per token at worst, so 1M tokens is at most ~2.3 GB)
+    draft_max_tokens: int = 1 << 20
 
     def __post_init__(self):
         if self.on_update not in ("continue", "abort"):
@@ -48,7 +51,8 @@ class EngineConfig:
         if self.attention_impl not in (AUTO, *PAGED_ATTENTION):
             raise ValueError(f"attention_impl={self.attention_impl!r} is not one of {[AUTO, *sorted(PAGED_ATTENTION)]}")
         for name in ("page_size", "num_pages", "max_seq_len", "max_running", "prefill_chunk", "max_prefill_rows",
-                     "prefill_budget", "decode_steps", "spec_tokens", "spec_max_batch"):
+                     "prefill_budget", "decode_steps", "spec_tokens", "spec_max_batch",
+                     "draft_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.bucket_growth not in (2, 4):

@@ -92,7 +92,7 @@ class SpeculativeDecoding:
 
     def _init_speculation(self) -> None:
         cfg = self.config
-        self.drafter = Drafter()
+        self.drafter = Drafter(max_tokens=cfg.draft_max_tokens)
         self._spec_row_buckets = pow2_buckets(1, min(cfg.spec_max_batch, cfg.max_running), cfg.bucket_growth)
         self.spec_switch = SpecSwitch(cfg.speculation, cfg.spec_max_batch, self._spec_row_buckets)
 

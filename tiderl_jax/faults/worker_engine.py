@@ -12,7 +12,10 @@ on engine workers unchanged.
   fails that task); a failed client (its monitor stopped) raises `WorkerCrashed` there.
 - Limits (the workers'): request-level only (no KV kept across tool calls: `keep_kv`, `pause`,
   `resume` are refused), text only, no device moves, no prefix-cache statistics here (each worker
-  keeps its own); `abort` lets the generation finish in the worker and drops its result.
+  keeps its own); `abort` lets the generation finish in the worker and drops its result. A generation's
+  tokens are seen only when it has finished, so `end_turn` (a caller's stop string) never ends one early:
+  the caller cuts the text. No `runner` here: the HTTP server refuses `top_logprobs` by name
+  (serving/openai_api/frontend.py: it needs a full forward on the serving weights).
 """
 
 from __future__ import annotations
@@ -103,6 +106,11 @@ class WorkerEngine:
 
     def release(self, handle: int) -> None:
         pass
+
+    def end_turn(self, handle: int) -> bool:
+        """Never ends a generation early (its tokens arrive when it has finished): False, as `Engine.end_turn`
+        for a turn that is not running."""
+        return False
 
     def pin(self, handle: int) -> None:
         raise RequestError("engine workers keep no KV across turns (request-level rollout only)")

@@ -28,7 +28,8 @@ numbers as `policies.routing.Replica` views.
 Faults: an engine step that raises kills its replica (`EngineFailed`, naming the error). The turns that were
 in flight or queued there go back to the router and run on a live replica from their whole context (the KV
 recomputed), counted in `counters["rerouted"]`; only when no replica is left does a turn fail, with the last
-replica's `EngineFailed`. A request the engine refuses (`RequestError`) fails that turn only.
+replica's `EngineFailed`. A request the engine refuses (`RequestError`) fails that turn only. A step listener
+that raises (`step_listeners`: they run between steps, not in the engine) is logged and the replica goes on.
 """
 
 from __future__ import annotations
@@ -356,7 +357,10 @@ class RolloutService:
         def after_step(seconds: float, rep=rep):
             rep.record_step(seconds)
             for listener in self.step_listeners:  # the engine is idle until its next step: state reads are safe
-                listener(rep)
+                try:
+                    listener(rep)
+                except Exception:  # noqa: BLE001 - a listener's error is not the engine's: the replica goes on
+                    log.exception("a step listener of rollout replica %d raised; the replica goes on", rep.id)
             self._route()
         rep.driver = Driver(rep.engine, lambda: before_step(rep), lambda h: on_turn_end(rep, h), step_span, after_step)
         rep.task = asyncio.create_task(rep.driver.run())
@@ -415,9 +419,12 @@ class RolloutService:
 
     def release(self, session: Hashable) -> None:
         """Drops `session`'s KV (its full blocks stay in that replica's prefix cache); its next turn is submitted
-        from its whole context. A turn of it not placed yet is dropped, one running is aborted."""
+        from its whole context. A turn of it not placed yet is dropped, one running is aborted: either way its
+        caller gets a RequestError (not a cancellation: the caller itself was not cancelled)."""
         for rid in [rid for rid, p in self._pending.items() if p.session == session]:
-            self._pending.pop(rid).future.cancel()
+            fut = self._pending.pop(rid).future
+            if not fut.done():
+                fut.set_exception(RequestError(f"session {session!r} was released before its turn started"))
         for rep in self.replicas:
             p = rep.in_turn.get(session)
             if p is not None:

@@ -4,7 +4,10 @@ Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (s
 when `stream`; the final usage chunk with `stream_options.include_usage`), `POST /tokenize`, `POST /detokenize`,
 `GET /health`, `GET /metrics`. Every error is the OpenAI error JSON with its status (`protocol.APIError`);
 anything unexpected is logged with its traceback here and answered 500 with one line, never a traceback; the
-server keeps serving. Bodies are read up to `ServerLimits.max_body_bytes` (413 beyond).
+server keeps serving. Bodies are read up to `ServerLimits.max_body_bytes` (413 beyond). A request's prompts and
+choices run concurrently through the rollout service, each counted against `max_inflight` (`Frontend.admit`);
+a streamed one gives its slots back when its response ends, however it ends (`_Stream`: a client gone before
+the first chunk included).
 
 `HTTPServer(frontend, host, port)`: `await start()` binds (port 0: a free one, `port` says which) and serves
 in-process, so the engine's driver and the server share one event loop; `await stop()` ends it. Uvicorn's
@@ -142,7 +145,32 @@ class _Renderer:
         return dict(index=index, **body, logprobs=lp, finish_reason=finish, **extra)
 
 
-async def _stream(f: Frontend, r: _Renderer, plans: list[Plan], admission, tools: bool):
+async def _choices(f: Frontend, plan: Plan, on_progress=None) -> list[Choice]:
+    cs = await f.run(plan, on_progress)
+    for c in cs:
+        await f.top_logprobs(plan, c)
+    return cs
+
+
+class _Stream(StreamingResponse):
+    """A streamed completion holding admission slots: `release` gives them back when the response ends, however
+    it ends. The body generator's own `finally` is not enough: a client gone before the response starts leaves
+    the generator never started (its `finally` never runs), and one gone while a chunk is sent leaves it
+    suspended at its `yield`, its choices running, until the garbage collector finalizes it."""
+
+    def __init__(self, body, release):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+            await self.body_iterator.aclose()  # cut off at a chunk: its choices are cancelled now, not at GC
+
+
+async def _stream(f: Frontend, r: _Renderer, plans: list[Plan], tools: bool):
     """The SSE body: deltas of every choice as the engine steps, each choice's finish, usage, [DONE]."""
     queue: asyncio.Queue = asyncio.Queue()
     per = [plans[0].n] * len(plans)
@@ -151,13 +179,7 @@ async def _stream(f: Frontend, r: _Renderer, plans: list[Plan], admission, tools
 
     def progress(k):
         return lambda i, out: queue.put_nowait(("progress", base[k] + i, k, out))
-
-    async def run(k, plan):
-        cs = await f.run(plan, progress(k))
-        for c in cs:
-            await f.top_logprobs(plan, c)
-        return cs
-    jobs = [asyncio.ensure_future(run(k, p)) for k, p in enumerate(plans)]
+    jobs = [asyncio.ensure_future(_choices(f, p, progress(k))) for k, p in enumerate(plans)]
     for j in jobs:
         j.add_done_callback(lambda _: queue.put_nowait(("job",)))
     try:
@@ -205,7 +227,6 @@ async def _stream(f: Frontend, r: _Renderer, plans: list[Plan], admission, tools
             if not j.done():
                 j.cancel()
         await asyncio.gather(*jobs, return_exceptions=True)
-        await admission.__aexit__(None, None, None)
     yield "data: [DONE]\n\n"
 
 
@@ -286,20 +307,17 @@ def build_app(f: Frontend, metrics: ServerMetrics | None = None) -> FastAPI:
         sid = _session_id(request, bound, req)
         plans = [f.plan_chat(req, sid)] if chat else f.plan_completion(req, sid)
         r = _Renderer(f, chat, req, f.request_id("chatcmpl" if chat else "cmpl"))
-        admission = f.admit()
-        await admission.__aenter__()
+        release = f.admit(sum(p.n for p in plans))
         if req.stream:
-            return StreamingResponse(_stream(f, r, plans, admission, chat and plans[0].parse_tools),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return _Stream(_stream(f, r, plans, chat and plans[0].parse_tools), release)
+        jobs = [asyncio.ensure_future(_choices(f, plan)) for plan in plans]  # every prompt at once
         try:
-            choices = []
-            for plan in plans:
-                cs = await f.run(plan)
-                for c in cs:
-                    await f.top_logprobs(plan, c)
-                choices.append(cs)
+            choices = list(await asyncio.gather(*jobs))
         finally:
-            await admission.__aexit__(None, None, None)
+            release()
+            for j in jobs:  # one failed: the others end now
+                j.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
         return JSONResponse(r.whole(plans, choices))
 
     @app.post("/v1/chat/completions")

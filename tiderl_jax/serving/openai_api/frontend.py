@@ -16,19 +16,23 @@ assistant's replies echoed back, then new tool / user messages) continues it: th
 `kv_mode="ctb"` the turn resumes on the replica that holds the session's KV (kept and pinned between calls;
 only the new tokens are prefilled). A request that rewrites the history starts the session's context over
 (`rewrites` counts it; the trajectory is the last consistent conversation). Sessions idle past
-`session_ttl_s` are ended and their KV released. A session serves one request at a time (others queue).
+`session_ttl_s` are ended and their KV released; past `max_sessions` the least recently used idle one is
+ended (a new session while every one is serving a call: 429). A session serves one request at a time (others
+queue); one ended while its call waits or runs (its agent's episode over) answers that call 409.
 `/v1/completions` sessions continue when the new prompt's token ids extend the served ones.
 
 Requests with `n > 1` or without a session are stateless: their KV is dropped when they end.
 
 **Limits and errors** (`protocol.APIError`): a prompt plus `max_tokens` beyond the engine's context, or
-`max_tokens` above `ServerLimits.max_tokens`: 400; more than `max_inflight` requests at once: 429 (admission
-holds it); while `swapping()` (an engine being replaced): 503; an engine that failed: 503.
+`max_tokens` above `ServerLimits.max_tokens`: 400; more than `max_inflight` completions at once (each request
+counts its prompts x n): 429 (admission holds it), a request larger than `max_inflight` alone: 400; while
+`swapping()` (an engine being replaced): 503; an engine that failed: 503.
 
 **Log-probs**: `logprob` is the untempered model's (`SequenceOutput.logp_model`, vLLM's default);
 `top_logprobs` come from one full forward of the context on the serving engine's weights (the engine samples
 one token and keeps its two log-probs, not a top-k). The behaviour log-probs RL needs (under the sampling
-distribution) are in the `return_token_ids` extension.
+distribution) are in the `return_token_ids` extension. Engine workers (`faults/worker_engine.py`) run no
+forward here: with them a request for top log-probs is refused (400, naming them).
 """
 
 from __future__ import annotations
@@ -60,9 +64,9 @@ log = logging.getLogger(__name__)
 class ServerLimits:
     max_body_bytes: int = 4 << 20  # request body
     max_tokens: int = 4096  # per request (max_tokens / max_completion_tokens above: 400)
-    max_inflight: int = 256  # requests served at once; more: 429
+    max_inflight: int = 256  # completions served at once (a request's prompts x n); more: 429
     session_ttl_s: float = 600.0  # an idle session is ended and its KV released
-    max_sessions: int = 4096  # more live sessions: the least recently used is ended
+    max_sessions: int = 4096  # more live sessions: the least recently used idle one is ended
 
     def __post_init__(self):
         if min(self.max_body_bytes, self.max_tokens, self.max_inflight, self.max_sessions) < 1 or \
@@ -181,23 +185,30 @@ class Frontend:
         finally:
             self._swapping -= 1
 
-    @contextlib.asynccontextmanager
-    async def admit(self):
-        """One request in flight; 429 above `max_inflight`, 503 while swapping or with no live engine."""
+    def admit(self, completions: int = 1) -> Callable[[], None]:
+        """Takes `completions` of the `max_inflight` slots (a request's prompts x n: each one engine sequence);
+        returns the function that gives them back (once, however often it is called). 400 for a request larger
+        than the limit alone, 429 above it, 503 while swapping or with no live engine."""
         if self._swapping:
             raise P.APIError(503, "the engine is being swapped; retry shortly", type="service_unavailable",
                              code="engine_swapping", headers={"Retry-After": "1"})
         if not self.service.live():
             raise P.APIError(503, "no live engine replica", type="service_unavailable", code="engine_failed")
-        if self.inflight >= self.limits.max_inflight:
-            raise P.APIError(429, f"admission holds the request: {self.inflight} requests in flight (limit "
-                             f"{self.limits.max_inflight})", type="rate_limit_error", code="admission_held",
-                             headers={"Retry-After": "1"})
-        self.inflight += 1
-        try:
-            yield
-        finally:
-            self.inflight -= 1
+        limit = self.limits.max_inflight
+        if completions > limit:
+            raise P.APIError(400, f"this request asks for {completions} completions (prompts x n); this server "
+                             f"serves at most {limit} at once (max_inflight)", code="too_many_completions")
+        if self.inflight + completions > limit:
+            raise P.APIError(429, f"admission holds the request: {self.inflight} completions in flight, "
+                             f"{completions} more would pass the limit {limit}", type="rate_limit_error",
+                             code="admission_held", headers={"Retry-After": "1"})
+        self.inflight += completions
+
+        def release():
+            nonlocal completions
+            self.inflight -= completions
+            completions = 0
+        return release
 
     @property
     def max_context(self) -> int:
@@ -215,8 +226,13 @@ class Frontend:
             raise P.APIError(400, f"session {sid!r} is a {s.kind} session; it cannot continue as {kind}",
                              param="session_id", code="session_kind")
         if s is None:
-            if len(self.sessions) >= self.limits.max_sessions:
-                self.end_session(min(self.sessions.values(), key=lambda x: x.last_used).id)
+            if len(self.sessions) >= self.limits.max_sessions:  # the least recently used idle one ends
+                idle = [x for x in self.sessions.values() if not x.lock.locked()]
+                if not idle:
+                    raise P.APIError(429, f"all {len(self.sessions)} sessions are serving a call (max_sessions "
+                                     f"{self.limits.max_sessions})", type="rate_limit_error",
+                                     code="admission_held", headers={"Retry-After": "1"})
+                self.end_session(min(idle, key=lambda x: x.last_used).id)
             s = self.sessions[sid] = Session(sid, kind, Trajectory(sid, "http", 0), last_used=self.clock())
         return s
 
@@ -268,15 +284,24 @@ class Frontend:
                              code="context_length_exceeded")
         return dataclasses.replace(sampling, max_new_tokens=limit or min(room, self.limits.max_tokens))
 
+    def _top_logprobs(self, k: int, param: str) -> int:
+        """`k`, when the serving engines can score it: a full forward of the context (engine workers cannot)."""
+        if k and any(getattr(r.engine, "runner", None) is None for r in self.service.live()):
+            raise P.APIError(400, f"{param}: top log-probs need a full forward of the context on the serving "
+                             "weights, which this server's engine workers (controller.engine_workers) do not run",
+                             param=param, code="unsupported_parameter")
+        return k
+
     def plan_chat(self, req: P.ChatCompletionRequest, sid: str | None) -> Plan:
         req.unsupported()
         msgs = P.to_messages(req.messages)
         tools = P.tool_schemas(req.tools) if req.tool_choice != "none" else None
         keys = [P.message_key(m) for m in msgs]
         sampling, stops = self._sampling(req, req.stops())
+        top = self._top_logprobs(req.num_top_logprobs, "top_logprobs")
         session = self._session(sid, "chat") if req.n == 1 else None
         plan = Plan([], sampling, req.n, stops, session, messages=msgs, keys=keys, tools=tools,
-                    parse_tools=bool(tools), top_logprobs=req.num_top_logprobs)
+                    parse_tools=bool(tools), top_logprobs=top)
         tools_key = json.dumps(tools, sort_keys=True)
         s = session
         if s is not None and s.keys and s.tools == tools_key and keys[:len(s.keys)] == s.keys and \
@@ -311,6 +336,7 @@ class Frontend:
         req.unsupported()
         prompts = req.prompts()
         sampling, stops = self._sampling(req, req.stops())
+        top = self._top_logprobs(req.num_top_logprobs, "logprobs")
         session = self._session(sid, "completion") if req.n == 1 and len(prompts) == 1 else None
         plans = []
         vocab = self.service.replicas[0].engine.model_cfg.vocab_size
@@ -322,7 +348,7 @@ class Frontend:
             else:
                 raise P.APIError(400, f"prompt: token ids must be a non-empty list of ints in [0, {vocab})",
                                  param="prompt", code="invalid_value")
-            plan = Plan(ids, sampling, req.n, stops, session, top_logprobs=req.num_top_logprobs)
+            plan = Plan(ids, sampling, req.n, stops, session, top_logprobs=top)
             served = session.traj.tokens if session is not None else []
             if served and len(ids) > len(served) and ids[:len(served)] == served:
                 plan.delta = ids[len(served):]
@@ -339,6 +365,8 @@ class Frontend:
         if s is None:
             return list(await asyncio.gather(*(self._choice(plan, i, on_progress) for i in range(plan.n))))
         async with s.lock:
+            if self.sessions.get(s.id) is not s:  # ended while this request waited for it
+                raise self._ended(s)
             if plan.delta is None or s.traj.tokens != plan.context[:len(s.traj.tokens)]:
                 if plan.delta is not None:  # another request of the session ran first: its context moved on
                     raise P.APIError(409, f"session {s.id!r} changed while this request waited; resend it",
@@ -346,8 +374,17 @@ class Frontend:
                 self._restart(s)
             s.requests += 1
             choice = await self._choice(plan, 0, on_progress)
+            if self.sessions.get(s.id) is not s:  # ended while its turn ran: nothing would release its KV
+                if s.id not in self.sessions:
+                    self.service.release(s.id)
+                raise self._ended(s)
             self._record(s, plan, choice)
             return [choice]
+
+    @staticmethod
+    def _ended(s: Session) -> P.APIError:
+        return P.APIError(409, f"session {s.id!r} ended while this request ran", param="session_id",
+                          code="session_ended")
 
     async def _choice(self, plan: Plan, index: int, on_progress) -> Choice:
         s = plan.session
@@ -374,9 +411,8 @@ class Frontend:
         try:
             out = await self._follow(turn, where, plan, index, on_progress)
         except (RequestError, ValueError) as e:
-            if s is not None and self.sessions.get(s.id) is not s:  # ended (TTL, its agent's episode) meanwhile
-                raise P.APIError(409, f"session {s.id!r} ended while this request ran", param="session_id",
-                                 code="session_ended") from None
+            if s is not None and self.sessions.get(s.id) is not s:  # ended (its agent's episode) meanwhile
+                raise self._ended(s) from None
             raise P.APIError(400, str(e)) from None
         except EngineFailed as e:
             raise P.APIError(503, str(e), type="service_unavailable", code="engine_failed") from None
@@ -427,10 +463,15 @@ class Frontend:
 
     def _after_step(self, rep) -> None:
         for (rid, h), read in list(self._watched.items()):
-            if rid == rep.id:
-                out = _peek(rep.engine, h)
-                if out is not None:
-                    read(out)
+            out = _peek(rep.engine, h) if rid == rep.id else None
+            if out is None:
+                continue
+            try:
+                read(out)
+            except Exception:  # noqa: BLE001 - that request goes on unwatched (its text is cut at the turn's end)
+                log.exception("reading engine sequence %d of replica %d failed; its request is no longer followed "
+                              "step by step", h, rid)
+                self._watched.pop((rid, h), None)
 
     def parse_reply(self, text: str) -> chat.ParsedTurn:
         """The model's reply as content and tool calls, in its family's format."""

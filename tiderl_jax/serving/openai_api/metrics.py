@@ -47,7 +47,7 @@ class ServerMetrics:
         f = self.frontend
         if f is None:
             return
-        yield GaugeMetricFamily("tiderl_requests_in_flight", "requests being served", value=f.inflight)
+        yield GaugeMetricFamily("tiderl_requests_in_flight", "completions being served (prompts x n)", value=f.inflight)
         yield GaugeMetricFamily("tiderl_sessions", "live sessions", value=len(f.sessions))
         stats = f.service.stats()
         for name, doc in _REPLICA:
