@@ -77,3 +77,21 @@ def test_engine_moved_to_a_bigger_mesh_continues_identically():
     assert engine.stats()["moves"] == 1
     leaf = jax.tree.leaves(engine.runner.params)[0]
     assert len(leaf.sharding.device_set) == 6
+
+
+def test_an_engine_on_a_one_device_mesh_takes_the_cpu_kernel_and_a_sharded_one_xla():
+    from tiderl_jax.engine.cpu_attention import available
+    assert available(), "the C++ paged-attention kernel did not build here"
+    pool = DevicePool.split(jax.devices()[:4], group_size=1, rollout=2, train=2, tensor=1)
+    model = init_decoder(CFG, seed=0)
+    graphdef, params = nnx.graphdef(model), nnx.state(model)
+    rollout = pool.mesh("rollout")
+    one_device = jax.sharding.Mesh(rollout.devices.reshape(-1)[:1].reshape((1,) * rollout.devices.ndim),
+                                   rollout.axis_names)
+    config = EngineConfig(page_size=4, num_pages=32, max_seq_len=32, max_running=2, prefill_chunk=8)
+    one = Engine(model_on(graphdef, params, one_device, DEFAULT_RULES), config)
+    two = Engine(model_on(graphdef, params, rollout, DEFAULT_RULES), config)
+    assert one.runner.impl == "cpu" and two.runner.impl == "xla"
+    prompt = [5, 7, 11, 13, 17]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    assert one.generate([prompt], greedy)[0].tokens == two.generate([prompt], greedy)[0].tokens

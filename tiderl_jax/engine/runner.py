@@ -123,7 +123,8 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         act = model.activation_sharding
-        self.impl = resolve_impl(attention_impl, sharded=act is not None, dtype=cfg.dtype)
+        # a one-device mesh is not sharded: the CPU kernel (a custom call with no partitioning rule) applies
+        self.impl = resolve_impl(attention_impl, sharded=act is not None and act.mesh.size > 1, dtype=cfg.dtype)
         self.graphdef, self.params = nnx.split(model)
         shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
         if act is not None:
