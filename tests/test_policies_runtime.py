@@ -284,6 +284,15 @@ def test_a_gain_within_the_noise_of_a_step_does_not_move():
         ers.ERSConfig(min_gain_fraction=-0.1)
 
 
+def test_a_move_that_predicts_a_loss_does_not_pay_whatever_the_noise_floor():
+    # rollout and trainer balanced: every move slows the step, which is not a question of noise
+    for floor in (0.0, 0.02, 0.5):
+        config = dataclasses.replace(ONE_STEP, min_gain_fraction=floor)
+        move, history = decide(_ers(**BACKLOG), ERSHistory(), config, _econ(train_busy_s=3.0, rollout_busy_s=3.0))
+        assert move is None and history.refused_kind == "does not pay"
+        assert "would cost" in history.refused and "noise" not in history.refused
+
+
 def test_predicted_gains_are_averaged_since_the_last_move():
     # the backlog case saves 2 s a step (rollout -> train); a step whose batch loaded the trainer less predicts a
     # loss. Averaged at weight 0.5 since the last move, the evidence of both steps decides, not the last alone

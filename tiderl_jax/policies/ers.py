@@ -346,6 +346,11 @@ def decide(s: ERSSignals, history: ERSHistory = ERSHistory(), config: ERSConfig 
                 history, refused_kind="cooldown",
                 refused=f"{reason}: the best move ({from_role} -> {to_role}) reverses the last one within the cooldown")
         gain, cost = best * economics.horizon_steps, economics.cost(from_role, to_role)
+        if best <= 0:  # a predicted loss is no question of noise
+            return None, dataclasses.replace(
+                history, refused_kind="does not pay",
+                refused=f"{reason}: the best move ({from_role} -> {to_role}) would cost {-best:.2f}s per step, "
+                                 "so it does not pay")
         if best < config.min_gain_fraction * s.step_time_s:
             return None, dataclasses.replace(
                 history, refused_kind="within noise",
