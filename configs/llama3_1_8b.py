@@ -7,6 +7,8 @@ Set --config.checkpoint=/path/to/Llama-3.1-8B-Instruct (an HF directory, or a .g
 the same model): the tokenizer, chat template and stop tokens come from it.
 """
 
+from ml_collections import ConfigDict
+
 from tiderl_jax.config import base_config, main_job_sections, one_gpu_host
 
 
@@ -22,8 +24,9 @@ def get_config():
         num_kv_heads=8,
         head_dim=128,
         rope_theta=500000.0,
-        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
+        # a ConfigDict: the key is a typed placeholder (off by default), which takes no plain dict
+        rope_scaling=ConfigDict(dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192)),
         rms_norm_eps=1e-5,
         max_position_embeddings=131072,
         tie_word_embeddings=False,

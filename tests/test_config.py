@@ -3,6 +3,7 @@
 import importlib.util
 
 import pytest
+from ml_collections import ConfigDict
 
 from conftest import ROOT
 from tiderl_jax import config as config_lib
@@ -98,3 +99,98 @@ def test_the_checkpoints_tokenizer_carries_its_chat_template_and_stop_ids(tmp_pa
     with c.unlocked():
         c.checkpoint = ""
     assert config_lib.build_tokenizer(c).source == "builtin byte tokenizer"
+
+
+def _leaves(node, prefix=""):
+    """(key, value, type) of every key of a ConfigDict; a placeholder's type is its declared one, not None's."""
+    for key in node.keys():
+        value = node[key]
+        if isinstance(value, ConfigDict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value, node.get_type(key)
+
+
+def _changed(value, kind):
+    """A value of type `kind` other than `value` (a placeholder's None included), and its command-line text."""
+    if kind is bool:
+        return not value, str(not value)
+    if kind is int:
+        return (value or 0) + 1, str((value or 0) + 1)
+    if kind is float:
+        return (value or 0.0) + 1.5, repr((value or 0.0) + 1.5)
+    if kind is str:
+        return value + "x", value + "x"
+    if kind is tuple:
+        new = value[::-1] if len(value) > 1 else (value * 2 if value else (1,))
+        flat = all(isinstance(v, (int, float, str)) for v in new)
+        return new, ",".join(map(str, new)) if flat else repr(new)  # a comma list, or a literal when nested
+    if kind is ConfigDict and value is None:  # an unset block (model.rope_scaling): a dict literal
+        return {"factor": 2.0}, "{'factor': 2.0}"
+    if kind is type(None):
+        raise AssertionError("a bare None: the flag machinery refuses to override it; make it a typed "
+                             "placeholder (tiderl_jax.config.placeholder)")
+    raise AssertionError(f"no command-line value for a {kind.__name__} key")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("*.py")))
+def test_every_key_of_every_config_is_settable_from_the_command_line(name, monkeypatch):
+    # keys whose default is None (loss.dual_clip, controller.eta, ...) are typed placeholders: the flag
+    # machinery refuses to override a NoneType key, so such a key could not be set at all
+    from absl import flags
+
+    monkeypatch.chdir(ROOT)  # the sim configs import `configs.sim_tiderl_text`
+    if name == "smollm2_135m_gsm":
+        import smollm2
+        smollm2.gguf_path()  # the preset finds the packaged GGUF; installed on first use
+    path = f"configs/{name}.py"
+    expected, argv = {}, ["launch/train.py", f"--config={path}"]
+    for key, value, kind in _leaves(config_lib.load_config_file(path)):
+        try:
+            expected[key], text = _changed(value, kind)
+        except AssertionError as e:
+            raise AssertionError(f"{path}: {key}: {e}") from None
+        argv.append(f"--config.{key}={text}")
+    assert len(expected) > 20  # the walk reached the sections
+    values = flags.FlagValues()  # as a launch script reads its command line
+    holder = config_lib.define_config_flag(path, flag_values=values, argv=argv)
+    values(argv)
+    for key, want in expected.items():
+        got = holder.value
+        for part in key.split("."):
+            got = got[part]
+        assert (got.to_dict() if isinstance(got, ConfigDict) else got) == want, (key, got, want)
+
+
+def test_keys_off_by_default_reach_the_typed_configs_set_or_unset(monkeypatch):
+    from absl import flags
+
+    monkeypatch.chdir(ROOT)
+
+    def parsed(*args, path="configs/tiny_agentic.py"):
+        values, argv = flags.FlagValues(), ["launch/train.py", f"--config={path}", *args]
+        holder = config_lib.define_config_flag(path, flag_values=values, argv=argv)
+        values(argv)
+        return holder.value
+
+    _, trainer, *_ = config_lib.rl_configs(parsed())
+    assert trainer.loss.dual_clip is None and trainer.loss.norm_len is None  # unset: off, as before
+    model = config_lib.model_config(parsed())
+    assert model.rope_scaling is None and model.image_token_id is None
+    controller, trainer, *_ = config_lib.rl_configs(parsed(
+        "--config.loss.dual_clip=3", "--config.loss.norm_len=512", "--config.controller.eta=2"))
+    assert trainer.loss.dual_clip == 3.0 and isinstance(trainer.loss.dual_clip, float)
+    assert trainer.loss.norm_len == 512 and controller.eta == 2 and controller.staleness.eta == 2
+    model = config_lib.model_config(parsed(
+        "--config.model.rope_scaling={'factor': 4.0}", "--config.model.image_patch_dim=48",
+        "--config.model.max_image_patches=4", "--config.model.image_token_id=3"))
+    assert model.rope_scaling == RopeScaling(factor=4.0) and model.image_token_id == 3
+    llama = "configs/llama3_1_8b.py"  # a block a config sets: each of its keys, or off as a whole
+    assert config_lib.model_config(parsed("--config.model.rope_scaling.factor=2.0", path=llama)).rope_scaling \
+        == RopeScaling(factor=2.0)
+    assert config_lib.model_config(parsed("--config.model.rope_scaling={'rope_type': 'default'}",
+                                          path=llama)).rope_scaling is None
+    with pytest.raises(ConfigError, match="loss.dual_clip=abc: float expected"):  # named before parsing
+        config_lib.check_overrides(["x", "--config.loss.dual_clip=abc"], "configs/tiny_agentic.py")
+    with pytest.raises(ConfigError, match="config.model.rope_scaling is unset"):
+        config_lib.check_overrides(["x", "--config.model.rope_scaling.factor=2"], "configs/tiny_agentic.py")

@@ -29,7 +29,9 @@ def base_config() -> ConfigDict:
     c.cpu_devices = 0
     # HF checkpoint directory (config.json + safetensors); empty: random initialisation from `model`.
     c.checkpoint = ""
-    c.model = ConfigDict(vars(ModelConfig()) | {"rope_scaling": None})
+    # every field at its default; the ones off by default (`rope_scaling`, `image_token_id`) typed placeholders
+    # (`section`), so that `--config.model.rope_scaling="{'factor': 8.0}"` can set them
+    c.model = section(ModelConfig)
     # One axis may be -1 (fills the remaining devices).
     c.mesh = ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
     c.sharding_rules = DEFAULT_RULES
@@ -199,20 +201,24 @@ def check_overrides(argv: list[str], default_path: str, flag: str = "config") ->
     config = load_config_file(path, flag)
     parsers = _value_parsers()
     for key, value in overrides:
-        node, walked = config, []
+        node, walked, kind = config, [], None
         for part in key.split("."):
+            where = ".".join([flag] + walked)
+            if node is None:  # a placeholder block not yet set (`section`): it is set as a whole
+                raise ConfigError(f"--{flag}.{key}: {where} is unset (None); set it whole, e.g. "
+                                  f"--{where}=\"{{'{part}': ...}}\"")
             if not isinstance(node, ConfigDict) or part not in node:
-                where = ".".join([flag] + walked)
                 known = sorted(node.keys()) if isinstance(node, ConfigDict) else []
                 raise ConfigError(f"--{flag}.{key}: {where} has no key {part!r}; known keys: {known}")
+            kind = node.get_type(part)  # a placeholder's declared type, not its None
             node = node[part]
             walked.append(part)
-        parser = parsers.get(type(node))
+        parser = parsers.get(kind)
         if value is not None and parser is not None:
             try:
                 parser.parse(value)
             except ValueError as e:
-                raise ConfigError(f"--{flag}.{key}={value}: {type(node).__name__} expected ({e})") from None
+                raise ConfigError(f"--{flag}.{key}={value}: {kind.__name__} expected ({e})") from None
 
 
 def load_config_file(path: str, flag: str = "config", *, run: bool = True) -> ConfigDict | None:
@@ -337,7 +343,8 @@ WARM_STARTS = ("checkpoint", "scratch")
 
 def section(cls, exclude: tuple[str, ...] = (), **values) -> ConfigDict:
     """A config section with every field of the dataclass `cls` (its defaults, then `values`), so each
-    option can be set with `--config.<section>.<field>=v`; nested dataclasses become sub-sections."""
+    option can be set with `--config.<section>.<field>=v`; nested dataclasses become sub-sections, and a
+    field whose default is None a placeholder of its annotated type (`placeholder`)."""
     import dataclasses
 
     out = {}
@@ -347,12 +354,39 @@ def section(cls, exclude: tuple[str, ...] = (), **values) -> ConfigDict:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if dataclasses.is_dataclass(default):
             default = ConfigDict(dataclasses.asdict(default))
+        elif default is None:
+            default = placeholder(cls, f.name)
         out[f.name] = default
     unknown = set(values) - set(out)
     if unknown:
         raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
     out.update(values)
     return ConfigDict(out)
+
+
+def placeholder(cls, name: str):
+    """The config value of the dataclass field `cls.name` whose default is None ("off", "the mode's default"):
+    an ml_collections placeholder (None, typed by the field's annotation) rather than a bare None, because a
+    ConfigDict types a field by its value and the flag machinery refuses to override a NoneType field
+    (`--config.loss.dual_clip=3` would be an error). `X | None` gives X; a dataclass (`RopeScaling`) a
+    ConfigDict, set as a dict literal; any other annotation `object`, whose values are Python literals.
+    A ConfigDict reads a placeholder as its value (None until set), and `to_dict()` gives that value."""
+    import dataclasses
+    import types
+    import typing
+
+    from ml_collections import config_dict
+
+    try:
+        hint = typing.get_type_hints(cls)[name]
+    except (NameError, TypeError):  # an annotation that does not evaluate here
+        hint = object
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = [t for t in typing.get_args(hint) if t is not type(None)] if union else [hint]
+    kind = (typing.get_origin(kinds[0]) or kinds[0]) if len(kinds) == 1 else object  # tuple[int, ...]: tuple
+    if dataclasses.is_dataclass(kind):
+        kind = ConfigDict
+    return config_dict.placeholder(kind if kind in (bool, int, float, str, tuple, ConfigDict) else object)
 
 
 def _kinds(c: ConfigDict) -> tuple[str, ...]:
