@@ -106,6 +106,18 @@ def test_exact_mode_equals_the_packed_step_and_approximate_differs():
     assert diff > 1e-4  # the prompt's share of the gradient is missing
 
 
+def test_shared_groups_take_the_proximal_log_probs_from_the_updates_forward_as_the_separate_pass():
+    ref = nnx.split(init_decoder(CFG, seed=9))[1]
+    auto = Trainer(init_decoder(CFG, seed=8), _config("exact"), ref_params=ref)
+    always = Trainer(init_decoder(CFG, seed=8), _config("exact", recompute_proximal="always"), ref_params=ref)
+    m_auto, m_always = auto.rl_step(_batch()), always.rl_step(_batch())
+    assert m_auto["shared_groups"] == 3 and (m_auto["proximal_in_step"], m_always["proximal_recomputed"]) == (1, 1)
+    for k in ("loss", "policy_loss", "kl", "importance_weight", "grad_norm"):
+        assert m_auto[k] == pytest.approx(m_always[k], rel=1e-4, abs=1e-6), k
+    for a, b in zip(_params(auto), _params(always)):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
 def test_reference_logprobs_scored_ahead_are_used_in_both_paths():
     """RA2P scores the reference ahead (info["ref_logp"], per token of the whole trajectory)."""
     with_ref = Trainer(init_decoder(CFG, seed=8), _config("exact"), ref_params=nnx.split(init_decoder(CFG, seed=9))[1])

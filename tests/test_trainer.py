@@ -133,11 +133,20 @@ def test_rl_step_changes_params_and_metrics_are_finite():
     assert any(not np.array_equal(a, b) for a, b in zip(before, _params(trainer)))
 
 
-def test_ctrl_c_as_the_step_program_returns_leaves_the_step_applied_and_the_state_saveable():
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_as_the_step_program_returns_leaves_the_step_applied_and_the_state_saveable(sig, monkeypatch, request):
     """The step donates its parameters and optimizer state: Ctrl-C between the program's return and the
-    stores must not leave the trainer holding deleted arrays (the main job saves them on Ctrl-C)."""
+    stores must not leave the trainer holding deleted arrays (the main job saves them on Ctrl-C). SIGTERM
+    (`interrupts.install`: what a scheduler sends before a kill) is held the same way."""
     import signal
 
+    from tiderl_jax import interrupts
+
+    monkeypatch.setattr(interrupts, "_terminated", False)
+    if sig == "SIGTERM":
+        previous = signal.getsignal(signal.SIGTERM)
+        request.addfinalizer(lambda: signal.signal(signal.SIGTERM, previous))
+        interrupts.install()
     trainer = Trainer(init_decoder(CFG, seed=5), _config())
     before = _params(trainer)
     real = trainer._program
@@ -149,7 +158,7 @@ def test_ctrl_c_as_the_step_program_returns_leaves_the_step_applied_and_the_stat
 
         def call(*args):
             out = fn(*args)  # the inputs are donated now
-            signal.raise_signal(signal.SIGINT)  # Python raises it at its next check, inside this frame
+            signal.raise_signal(getattr(signal, sig))  # Python raises it at its next check, inside this frame
             return out
         return call
     trainer._program = program
@@ -160,6 +169,7 @@ def test_ctrl_c_as_the_step_program_returns_leaves_the_step_applied_and_the_stat
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(trainer.opt_state))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert interrupts.name() == sig
 
 
 def test_equal_rewards_give_zero_advantage_and_no_update():
@@ -331,6 +341,29 @@ def _on_policy(trainer, trajectories, version, noise=0.0):
     return out
 
 
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_the_proximal_log_probs_from_the_updates_own_forward_update_as_the_separate_pass(kl_coef):
+    """An off-policy batch (behaviour log-probs far from the trainer's: truncated importance weights): "auto"
+    runs no proximal pass and takes the same step as "always", which scores the batch first; a KL folded into
+    the reward reads the proximal log-probs before the update, so there the pass runs."""
+    cfg = _config(loss=LossConfig(kl_coef=kl_coef, entropy_coef=0.01))
+    ref = nnx.split(init_decoder(CFG, seed=9))[1]
+    always = Trainer(init_decoder(CFG, seed=13), dataclasses.replace(cfg, recompute_proximal="always"), ref_params=ref)
+    auto = Trainer(init_decoder(CFG, seed=13), cfg, ref_params=ref)
+    for _ in range(2):  # the second step starts from updated weights
+        m_always, m_auto = always.rl_step(TRAJS), auto.rl_step(TRAJS)
+        assert (m_always["proximal_recomputed"], m_auto["proximal_recomputed"], m_auto["proximal_in_step"]) == (1, 0, 1)
+        assert m_auto["importance_weight"] < 1.5  # off-policy: the weights differ from 1 (truncated at tis_cap)
+        for k in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "approx_kl", "importance_weight",
+                  "grad_norm"):
+            assert m_auto[k] == pytest.approx(m_always[k], rel=1e-4, abs=1e-6), k
+    for a, b in zip(_params(always), _params(auto)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    reward_kl = dataclasses.replace(cfg, loss=LossConfig(kl_coef=0.1, kl_as_reward=True))
+    m = Trainer(init_decoder(CFG, seed=13), reward_kl, ref_params=ref).rl_step(TRAJS)
+    assert m["proximal_recomputed"] == 1.0 and m["proximal_in_step"] == 0.0
+
+
 def test_an_on_policy_batch_skips_the_proximal_pass_and_updates_as_with_it():
     cfg = _config(loss=LossConfig(kl_coef=0.0))
     always = Trainer(init_decoder(CFG, seed=13), dataclasses.replace(cfg, recompute_proximal="always"))
@@ -346,8 +379,10 @@ def test_an_on_policy_batch_skips_the_proximal_pass_and_updates_as_with_it():
     for a, b in zip(_params(always), _params(auto)):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert auto.policy_version == always.policy_version == 4  # each applied step advances it
-    # the next batch sampled by version 3 is off-policy for version 4: "auto" recomputes
-    assert auto.rl_step(batch)["proximal_recomputed"] == 1.0
+    # the next batch sampled by version 3 is off-policy for version 4: "auto" takes the proximal log-probs from
+    # the update's own forward (the next test), no pass
+    m_next = auto.rl_step(batch)
+    assert m_next["proximal_recomputed"] == 0.0 and m_next["proximal_in_step"] == 1.0
     # with behaviour log-probs off by a measured amount, the update moves by no more than that drift
     never = Trainer(init_decoder(CFG, seed=13), dataclasses.replace(cfg, recompute_proximal="never"))
     exact = Trainer(init_decoder(CFG, seed=13), dataclasses.replace(cfg, recompute_proximal="always"))

@@ -160,8 +160,9 @@ class ResponseLoss:
     decoupled: bool
 
     def __call__(self, logp, entropy, mask, extra):
-        batch = {"mask": mask[None], "advantages": extra["advantages"][None],
-                 "proximal_logp": extra["proximal_logp"][None]}
+        # no proximal log-probs: they are this forward's own (rl/trainer.py: the step's weights)
+        proximal = extra["proximal_logp"] if "proximal_logp" in extra else jax.lax.stop_gradient(logp)
+        batch = {"mask": mask[None], "advantages": extra["advantages"][None], "proximal_logp": proximal[None]}
         if self.decoupled:
             batch["behaviour_logp"] = extra["behaviour_logp"][None]
         if "ref_logp" in extra:

@@ -1,12 +1,17 @@
 """The trainer: scoring, the sharded RL / SFT train step, and the optimizer.
 
 ```
-trajectories --pack--> PackedBatch [micro, rows, T] --score(params)--> proximal_logp
-                                                    --score(ref_params)--> ref_logp
+trajectories --pack--> PackedBatch [micro, rows, T] --score(ref_params)--> ref_logp (when a loss reads it)
              rewards by GRPO group --advantages--> per-token advantages
              step: scan over micro-batches (grad accumulation) -> global-norm clip -> AdamW -> params
 ```
 
+- **The proximal log-probs** (the weights the step starts from: PPO's trust-region centre) come from the
+  update's own forward, under a stop-gradient: the step is one optimizer update over all its micro-batches,
+  so every micro-batch's forward runs on exactly those weights and a separate proximal pass would compute
+  the same numbers again. The pass runs only where something reads them before the update (a KL folded into
+  the reward, PPO's critic) or where `recompute_proximal="always"` asks for it (the reference the in-step
+  path is tested against).
 - **Scoring** (`Trainer.score`): one jitted program computes per-token log-probs of a packed batch
   for any parameter set of the model family (the current policy = proximal / old log-probs; the
   reference model = a second parameter set), micro-batch by micro-batch (`lax.map`), sharded like
@@ -85,10 +90,12 @@ class TrainerConfig:
     row_buckets: bool = True
     temperature: float = 1.0  # the rollout temperature (log-probs of the sampling distribution)
     decoupled: bool = True  # decoupled PPO: weight tokens by pi_prox / pi_behav (truncated)
-    # the proximal pass (the trainer's log-probs of the batch under the weights the step starts from):
-    # "auto" runs it unless the batch is on-policy (every trained token sampled by the engine on exactly these
-    # weights: `Trainer.policy_version`), where the engine's log-probs stand in for it (as Tunix, TRL and slime
-    # do); "always" runs it; "never" trusts the behaviour log-probs whatever their age (PPO against pi_behav)
+    # the proximal log-probs (the trainer's log-probs of the batch under the weights the step starts from):
+    # "auto" takes them from the update's own forward (module docstring) unless the reward reads them first (a
+    # KL reward) or a critic scores the batch; then a separate pass runs unless the batch is on-policy (every
+    # trained token sampled by the engine on exactly these weights: `Trainer.policy_version`), where the
+    # engine's log-probs stand in for it (as Tunix, TRL and slime do); "always" runs the pass; "never" trusts the
+    # behaviour log-probs whatever their age (PPO against pi_behav)
     recompute_proximal: str = "auto"
     # LongStraw in the step (rl/shared_prompt.py): GRPO groups sharing a prompt of at least
     # `shared_prompt_min_tokens` tokens run it once; "exact" equals the packed gradient, "approximate"
@@ -215,7 +222,9 @@ def _micro_loss(graphdefs, cfg: TrainerConfig, kind: str, params, micro, num_tok
         nll = -jnp.sum(jnp.where(mask > 0, logp, 0.0)) / jnp.maximum(num_tokens, 1)
         ent = jnp.sum(jnp.where(mask > 0, entropy, 0.0)) / jnp.maximum(num_tokens, 1)
         return nll, {"loss": nll, "nll": nll, "entropy": ent, "tokens": mask.sum()}
-    batch = {k: micro[k] for k in ("mask", "advantages", "proximal_logp")}
+    batch = {k: micro[k] for k in ("mask", "advantages")}
+    # absent: the proximal log-probs are this forward's own (the step's weights; module docstring)
+    batch["proximal_logp"] = micro["proximal_logp"] if "proximal_logp" in micro else jax.lax.stop_gradient(logp)
     if cfg.decoupled:
         batch["behaviour_logp"] = micro["behaviour_logp"]
     for key in ("ref_logp", "returns", "old_values"):
@@ -637,13 +646,18 @@ class Trainer:
 
         on_policy = self.policy_version is not None and all(
             v == self.policy_version for t in kept for v, m in zip(t.versions, t.loss_mask) if m)
-        recompute = (cfg.recompute_proximal == "always" or not apply or self.value_params is not None
-                     or (cfg.recompute_proximal == "auto" and not on_policy))
+        kl_reward = cfg.loss.kl_as_reward and cfg.loss.kl_coef > 0 and (
+            self.ref_params is not None or all(t.info.get("ref_logp") is not None for t in kept))
+        in_step = cfg.recompute_proximal == "auto" and self.value_params is None and not kl_reward
+        recompute = not in_step and (cfg.recompute_proximal == "always" or not apply or self.value_params is not None
+                                     or (cfg.recompute_proximal == "auto" and not on_policy))
         t0 = time.perf_counter()
         if self.value_params is not None:  # PPO with a critic: packed rows only (no shared_prompt with "gae")
             packed.arrays["proximal_logp"], packed.arrays["old_values"] = self.score_values(packed)
         elif recompute:
             store("proximal_logp", score(self.params))
+        elif in_step:  # the update's forward computes them (module docstring)
+            pass
         else:  # the engine's log-probs of these very weights stand in for the pass
             store("proximal_logp", {"packed": packed.arrays["behaviour_logp"].copy() if packed.kept else None,
                                     "shared": [c["behaviour_logp"] for c in (shared.classes if shared else [])]})
@@ -689,7 +703,8 @@ class Trainer:
         metrics.update(dropped=float(len(packed.dropped)), reward=float(rewards.mean()),
                        time_proximal_s=t_proximal, time_ref_s=t_ref, time_update_s=time.perf_counter() - t0,
                        shared_groups=float(len(shared.groups) if shared else 0),
-                       proximal_recomputed=float(recompute), on_policy=float(on_policy), **drift,
+                       proximal_recomputed=float(recompute), proximal_in_step=float(in_step),
+                       on_policy=float(on_policy), **drift,
                        # what the step's passes compute: token slots (padding included), real tokens, and the causal
                        # attention pairs the sequences need (benchmarks/rl_step.py's FLOPs)
                        tokens_computed=float(packed.arrays["mask"].size if packed.kept else 0),

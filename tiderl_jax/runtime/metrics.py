@@ -46,7 +46,7 @@ TAG_GROUPS = {
     "train": ("reward", "reward_std", "zero_variance_groups", "zero_variance_dropped", "loss", "policy_loss", "kl",
               "entropy", "value_loss", "nll", "grad_norm", "skipped", "lr", "clip_fraction", "dual_clip_fraction",
               "approx_kl", "ratio", "importance_weight", "truncated_fraction", "tokens", "sequences", "dropped",
-              "shared_groups", "version", "proximal_recomputed", "on_policy", "behaviour_logp_diff_mean",
+              "shared_groups", "version", "proximal_recomputed", "proximal_in_step", "on_policy", "behaviour_logp_diff_mean",
               "behaviour_logp_diff_p99", "tokens_computed", "tokens_real", "attention_pairs"),
     "rollout": ("response_tokens_mean", "response_tokens_max", "turns_mean", "tool_calls_mean", "tool_error_rate",
                 "malformed_turn_rate", "kv_hit_rate", "staleness_mean", "running", "ready_groups", "discarded",
