@@ -13,6 +13,7 @@ import sys
 
 from absl import app, flags
 
+from tiderl_jax import console  # noqa: E402
 from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.gguf_io import export_hf, load_gguf
@@ -26,6 +27,7 @@ distributed.define_flags()
 
 def main(argv):
     del argv
+    console.setup()
     if not FLAGS.checkpoint or not FLAGS.out:
         print("error: --checkpoint and --out are required", file=sys.stderr)
         sys.exit(2)

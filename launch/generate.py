@@ -24,6 +24,7 @@ import time
 
 from absl import app, flags, logging
 
+from tiderl_jax import console  # noqa: E402
 from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax.engine.engine import Engine, EngineConfig, Request
 from tiderl_jax.engine.sampling import RequestError, SamplingParams
@@ -108,6 +109,7 @@ def _prompts(tokenizer):
 
 def main(argv):
     del argv
+    console.setup()
     if not FLAGS.checkpoint:
         _fail("--checkpoint is required")
     try:

@@ -5,9 +5,10 @@
 Each process gets `--coordinator_address=127.0.0.1:PORT --num_processes=N --process_id=i` (a free loopback
 port), and its share of the devices: on the CPU, `--devices` faked devices split evenly (XLA_FLAGS, gloo
 collectives between the processes); with `--accelerators=K`, `--local_device_ids` of K / N GPUs each. Every
-line a process prints is prefixed with `[i]`. The exit status is the first failure's (0 when all succeed): the
-others are given `--grace_s` seconds to stop by themselves (a run's heartbeat ends them within its timeout),
-then killed, so nothing is left running. Ctrl-C is passed on to every process.
+line a process prints is prefixed with `[i]` (gloo's connection notices dropped). The exit status is the first
+failure's (0 when all succeed): the others are given `--grace_s` seconds to stop by themselves (a run's
+heartbeat ends them within its timeout), then killed, so nothing is left running. Ctrl-C and SIGTERM are
+passed on to every process.
 """
 
 from __future__ import annotations
@@ -72,8 +73,15 @@ def process_flags(index: int, port: int, a) -> list[str]:
     return flags
 
 
+# gloo's notice at each CPU collective's first use ("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of
+# connected peer ranks is : 1"), written by its C++ code from several threads at once (lines cut and mixed): dropped
+_GLOO_NOTICE = "connected peer ranks is : "
+
+
 def _pump(index: int, stream, out) -> None:
     for line in stream:
+        if _GLOO_NOTICE in line:
+            continue
         out.write(f"[{index}] {line}")
         out.flush()
 

@@ -15,6 +15,7 @@ import numpy as np
 from absl import app, logging
 from flax import nnx
 
+from tiderl_jax import console  # noqa: E402
 from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax import config as config_lib
 from tiderl_jax.model import chat
@@ -28,6 +29,7 @@ distributed.define_flags()
 
 def main(argv):
     del argv
+    console.setup()
     cfg = _CONFIG.value
     try:
         config_lib.apply_platform_settings(cfg)

@@ -11,6 +11,10 @@ config file whose `model` dtypes, `mesh`, `cpu_devices` and, when it has one, `e
 it the model is served on one device with an engine sized by `--max_seq_len` / `--num_pages`.
 `--replicas=N` serves N engine replicas (one device each) behind the rollout service's router.
 
+Stopping: SIGTERM (what Kubernetes, Slurm and preemptible VMs send) or Ctrl-C drains: the listener closes at once
+(new connections are refused), requests in flight get up to `--drain_s` seconds to finish, then the server stops
+and exits 0; a second signal stops it at once.
+
 Security: the server binds 127.0.0.1 unless `--host` says otherwise, and refuses to start on any other address
 without `--api_key` (clients then send `Authorization: Bearer KEY`). Bad flags exit 2 with one line.
 """
@@ -25,8 +29,10 @@ from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tiderl_jax import console  # noqa: E402
 from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax import config as config_lib  # noqa: E402
+from tiderl_jax import interrupts  # noqa: E402
 from tiderl_jax.model.config import ConfigError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -47,6 +53,7 @@ flags.DEFINE_integer("max_body_bytes", 4 << 20, "Largest request body.")
 flags.DEFINE_float("session_ttl_s", 600.0, "Idle sessions are ended after this long (their KV released).")
 flags.DEFINE_bool("chatml_tools", False, "Built-in ChatML only: list a request's tools in the system message.")
 flags.DEFINE_bool("warmup", False, "Compile every engine program before serving.")
+flags.DEFINE_float("drain_s", 30.0, "On SIGTERM / Ctrl-C, seconds the requests in flight get to finish.")
 distributed.define_flags()
 
 
@@ -76,6 +83,8 @@ def _check_flags():
         _fail(f"--port={FLAGS.port} is not a port")
     if FLAGS.replicas < 1:
         _fail(f"--replicas={FLAGS.replicas} must be >= 1")
+    if FLAGS.drain_s < 0:
+        _fail(f"--drain_s={FLAGS.drain_s} must be >= 0")
 
 
 def _build():
@@ -134,7 +143,7 @@ async def _serve(engines, tokenizer, name):
                           max_inflight=FLAGS.max_inflight, session_ttl_s=FLAGS.session_ttl_s)
     frontend = Frontend(service, tokenizer, model_name=name, limits=limits, kv_mode=FLAGS.kv_mode,
                         api_key=FLAGS.api_key, chatml_tools=FLAGS.chatml_tools)
-    server = HTTPServer(frontend, FLAGS.host, FLAGS.port)
+    server = HTTPServer(frontend, FLAGS.host, FLAGS.port, drain_s=FLAGS.drain_s)
     try:
         await server.start()
     except OSError as e:
@@ -143,13 +152,19 @@ async def _serve(engines, tokenizer, name):
     print(f"serving {name!r} ({len(engines)} replica(s), context {frontend.max_context}) at {server.base_url}",
           flush=True)
     try:
-        await asyncio.Event().wait()  # until Ctrl-C
+        await asyncio.Event().wait()  # until Ctrl-C or SIGTERM (asyncio cancels this task)
+    except asyncio.CancelledError:
+        print(f"{interrupts.name()}: draining: new connections refused, {frontend.inflight} completion(s) in flight "
+              f"get up to {FLAGS.drain_s:g}s", flush=True)
+        raise
     finally:
         await server.stop()
         await service.stop()
 
 
 def main(argv):
+    console.setup()
+    interrupts.install()  # SIGTERM drains as Ctrl-C does
     if len(argv) > 1:
         _fail(f"unexpected arguments: {' '.join(argv[1:])}")
     _check_flags()
@@ -167,8 +182,8 @@ def main(argv):
             logging.info("warm-up compiled in %.1fs", e.warmup())
     try:
         asyncio.run(_serve(engines, tokenizer, name))
-    except KeyboardInterrupt:
-        print("stopped", flush=True)
+    except KeyboardInterrupt:  # the first signal drained (`_serve`), a second one stopped it at once
+        print(f"stopped by {interrupts.name()}", flush=True)
 
 
 if __name__ == "__main__":

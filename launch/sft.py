@@ -21,8 +21,10 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tiderl_jax import console  # noqa: E402
 from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax import config as config_lib  # noqa: E402
+from tiderl_jax import interrupts  # noqa: E402
 from tiderl_jax.model.config import ConfigError  # noqa: E402
 
 _CONFIG = config_lib.define_config_flag("configs/tiny_agentic.py")
@@ -43,7 +45,17 @@ def _commit() -> str:
 
 def main(argv):
     del argv
-    cfg = _CONFIG.value
+    console.setup()
+    interrupts.install()  # SIGTERM (Slurm, Kubernetes, preemption) as Ctrl-C
+    try:
+        _main(_CONFIG.value)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted by {interrupts.name()}: launch/sft.py writes its checkpoint only at the end, so nothing "
+              f"was saved; the same command starts over: {interrupts.command()}", flush=True)
+        sys.exit(130)
+
+
+def _main(cfg):
     try:
         config_lib.apply_platform_settings(cfg)
     except ConfigError as e:

@@ -37,6 +37,7 @@ from absl import app, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tiderl_jax import console  # noqa: E402
 from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax import config as config_lib  # noqa: E402
 from tiderl_jax.model.config import ConfigError  # noqa: E402
@@ -489,7 +490,7 @@ def plot_goodput(rows: list[dict], path: str) -> str:
 def main(argv):
     del argv
     cfg = _CONFIG.value
-    logging.set_verbosity(logging.INFO)
+    console.setup(cfg.logdir)
     pylogging.getLogger("tiderl_jax").setLevel(pylogging.WARNING)  # per-step lines: thousands of them
     try:
         sizes = cfg.sizes if isinstance(cfg.sizes, tuple) else config_lib.parse_tuple(str(cfg.sizes))

@@ -22,9 +22,10 @@ Phases, each with a progress line (global step / total, rate, ETA):
    --checkpoint=...` loads it; `--config.export_every_checkpoint=true` also exports at each RL checkpoint,
    to `hf_export_steps/step_N/`); every held-out rollout is in `rollouts/*.jsonl`, decoded.
 
-The resolved config is written to `config.json`. Ctrl-C in any phase saves what there is (the warm
-start's weights, or the RL checkpoint with its ready and in-flight samples) and exits with status 130;
-the same command resumes. A log directory that holds a run of another configuration is refused, naming
+The resolved config is written to `config.json`. Ctrl-C or SIGTERM (what Slurm, Kubernetes and preemptible VMs
+send before a kill) in any phase saves what there is (the warm start's weights, or the RL checkpoint with its
+ready and in-flight samples), prints the signal and the command, and exits with status 130; the same command
+resumes. A log directory that holds a run of another configuration is refused, naming
 every differing key (`tiderl_jax/run_state.py`: only the step budget and a few harmless keys may change);
 a finished run says so and exits 0, overwriting nothing; a raised `controller.steps` continues it. A
 failure (an engine step that raises, weight syncs that keep failing) ends the run with the error named,
@@ -43,7 +44,9 @@ from absl import app, logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tiderl_jax import config as config_lib  # noqa: E402
+from tiderl_jax import console  # noqa: E402
 from tiderl_jax import distributed  # noqa: E402
+from tiderl_jax import interrupts  # noqa: E402
 from tiderl_jax.model.config import ConfigError  # noqa: E402
 
 _CONFIG = config_lib.define_config_flag("configs/tiny_agentic.py")
@@ -281,14 +284,19 @@ def _count_lost(controller, state) -> None:
 
 def main(argv):
     del argv
+    console.setup()  # before JAX logs anything (its backend probe, the coordinator's lines): plain text
     cluster = distributed.initialize_from_flags()  # before any other JAX work
+    console.setup(_CONFIG.value.logdir, log_name="log.txt" if cluster.primary else f"log.process_{cluster.index}.txt")
     if not cluster.primary:  # process 0 prints and writes; the others' errors still reach stderr
         sys.stdout = open(os.devnull, "w")
+    # SIGTERM (Slurm, Kubernetes, preemption) takes Ctrl-C's path: saved, resumable. Only after initialize:
+    # jax.distributed's preemption notifier takes SIGTERM for itself and would swallow it
+    interrupts.install()
     try:
         _main(_CONFIG.value)
         cluster.finished()
     except KeyboardInterrupt:  # before anything was built (the phases below handle their own)
-        print("\ninterrupted while starting; nothing to save", flush=True)
+        print(f"\ninterrupted by {interrupts.name()} while starting; nothing to save", flush=True)
         sys.exit(130)
 
 
@@ -296,9 +304,6 @@ def _main(cfg):
     from tiderl_jax.run_report import Phases
     from tiderl_jax.run_state import RunState, write_config
 
-    logging.set_verbosity(logging.INFO)
-    pylogging.getLogger("absl").setLevel(pylogging.WARNING)  # orbax's per-save chatter (after the above)
-    pylogging.getLogger("tiderl_jax").setLevel(pylogging.INFO)
     phases = Phases()
     cluster = distributed.cluster()
     if not cluster.primary:
@@ -402,18 +407,19 @@ def _main(cfg):
                                 "heldout_*.jsonl", *(["during_rl_step_*.jsonl"] if cfg.eval.get("every", 0) else []))),
                             config=config_file))
         state.save(finished=dict(steps=controller.step, summary=path))
-    except KeyboardInterrupt:
-        where = phases.current
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`interrupts.install`)
+        where, by = phases.current, interrupts.name()
         if where == "RL":
             _count_lost(controller, state)
         if cluster.multi:  # a save is collective: the processes were interrupted wherever each was
             latest = controller.checkpointer.latest_step() if controller.checkpointer is not None else None
-            print(f"\ninterrupted in {where} at RL step {controller.step}/{ccfg.steps}: across processes nothing "
-                  f"new is saved; the last checkpoint (step {latest}) in {cfg.logdir} resumes with the same "
+            print(f"\ninterrupted by {by} in {where} at RL step {controller.step}/{ccfg.steps}: across processes "
+                  f"nothing new is saved; the last checkpoint (step {latest}) in {cfg.logdir} resumes with the same "
                   f"command on every process", flush=True)
+            cluster.interrupted(by)  # the others stop too, naming this process and the signal
             os._exit(130)
-        print(f"\ninterrupted in {where} at RL step {controller.step}/{ccfg.steps}: saved in {cfg.logdir}; "
-              f"run the same command to resume", flush=True)
+        print(f"\ninterrupted by {by} in {where} at RL step {controller.step}/{ccfg.steps}: saved in {cfg.logdir}; "
+              f"run the same command to resume: {interrupts.command()}", flush=True)
         sys.exit(130)
     except ConfigError as e:
         _fail(str(e))

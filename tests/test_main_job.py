@@ -6,6 +6,8 @@ ends with the error named, no traceback, nothing hangs)."""
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,13 +31,13 @@ def _start(logdir, *args):
                             text=True)
 
 
-def _interrupt_at(proc, marker: str, timeout: float = 240) -> str:
-    """Reads the job's output until `marker` appears, sends SIGINT, returns all the output."""
+def _interrupt_at(proc, marker: str, timeout: float = 240, sig: int = signal.SIGINT) -> str:
+    """Reads the job's output until `marker` appears, sends `sig` (Ctrl-C's by default), returns all the output."""
     seen, t0 = [], time.monotonic()
     for line in proc.stdout:
         seen.append(line)
         if marker in line:
-            proc.send_signal(signal.SIGINT)
+            os.kill(proc.pid, sig)
             break
         assert time.monotonic() - t0 < timeout, "".join(seen)[-3000:]
     rest, _ = proc.communicate(timeout=120)
@@ -50,7 +52,7 @@ def _finish(proc) -> str:
 @pytest.mark.timeout(900)
 def test_interrupted_in_each_phase_it_resumes_and_reports_the_learning_statistics(tmp_path):
     out = _interrupt_at(_start(tmp_path), "held-out before (greedy)")
-    assert "interrupted in held-out before" in out, out[-3000:]
+    assert "interrupted by SIGINT in held-out before" in out, out[-3000:]
     assert "Traceback" not in out
     proc = _start(tmp_path)
     out = _interrupt_at(proc, "RL step 1/3")
@@ -106,6 +108,24 @@ def test_interrupted_in_each_phase_it_resumes_and_reports_the_learning_statistic
                         "--config.controller.steps=4", "--config.controller.mode=sync"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "holds a run of another configuration (controller.mode" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_in_rl_saves_the_step_and_the_printed_command_resumes_from_it(tmp_path, sig):
+    # SIGTERM is what Slurm, Kubernetes and preemptible VMs send before a kill: the same as Ctrl-C
+    proc = _start(tmp_path)
+    out = _interrupt_at(proc, "RL step 1/3", sig=getattr(signal, sig))
+    assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
+    m = re.search(rf"interrupted by {sig} in RL at RL step (\d)/3: saved in {tmp_path}; run the same command "
+                  r"to resume: (.+)", out)
+    assert m, out[-3000:]
+    step, command = int(m.group(1)), shlex.split(m.group(2))
+    assert command == [sys.executable, "launch/train.py", f"--config.logdir={tmp_path}", *TINY]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = _interrupt_at(proc, "resumed from", sig=getattr(signal, sig))  # where it goes on from: enough, stopped again
+    assert f"resumed from {tmp_path} at step {step}/3" in out, out[-3000:]
+    assert proc.returncode == 130 and f"interrupted by {sig} in " in out, out[-3000:]
 
 
 def _assert_evaluated_every_2_updates(logdir, out: str, printed: list[int]) -> None:

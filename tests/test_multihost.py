@@ -171,14 +171,17 @@ class _Watched:
         monkeypatch.setattr(distributed, "time", types.SimpleNamespace(monotonic=lambda: self.now))
         self.cluster._stop = self  # its wait(1.0) is a faked second; the watch ends after `seconds` of them
         self.cluster.on_failure = lambda message: self.reports.append((self.now, message))
+        self.cluster.on_interrupted = lambda message: self.reports.append((self.now, message))
         self.seconds = seconds
         self._beat()
         self.cluster._watch()
 
     def _beat(self):
-        for q, (first, last) in self.beats.items():
+        for q, (first, last, *then) in self.beats.items():  # then: the value it leaves after its last beat
             if first is not None and first <= self.now <= last:
                 self.values[f"tiderl/hb/{q}"] = str(int(self.now))
+            elif then and last is not None and self.now > last:
+                self.values[f"tiderl/hb/{q}"] = then[0]
 
     def is_set(self):
         return self.now >= self.seconds
@@ -201,6 +204,13 @@ def test_the_watchdog_names_a_process_that_never_beat(monkeypatch):
     assert w.reports == [(11.0, "process 2 of 3 stopped: no heartbeat in the 11 s since the watchdog started (it "
                                 "died before its first, or hangs)")]
     assert _Watched(monkeypatch, {1: (0, 99), 2: (5, 99)}).reports == []  # a late first beat, within the timeout
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_process_interrupted_by_a_signal_stops_the_others_at_once_naming_it(monkeypatch, sig):
+    w = _Watched(monkeypatch, {1: (0, 99), 2: (0, 3, f"interrupted:{sig}")})  # 2 got the signal after second 3
+    assert w.reports == [(4.0, f"process 2 of 3 was interrupted by {sig}; process 0 stops too")]
+    assert w.values["tiderl/hb/0"] == f"interrupted:{sig}"  # seen: the coordinator waits for this before it exits
 
 
 def test_the_watchdog_checks_every_process_each_second(monkeypatch):
@@ -245,8 +255,8 @@ def test_the_main_job_on_2_and_4_processes_trains_as_on_one(tmp_path, mode, step
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (n, a["step"], key, a[key], b[key])
 
 
-def _kill_process(logdir, index: int) -> None:
-    """SIGKILL the local cluster's process `index` of the run in `logdir` (found by its command line)."""
+def _kill_process(logdir, index: int, sig: int = signal.SIGKILL) -> None:
+    """Sends `sig` to the local cluster's process `index` of the run in `logdir` (found by its command line)."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -256,9 +266,21 @@ def _kill_process(logdir, index: int) -> None:
         except OSError:
             continue
         if f"--config.logdir={logdir}" in cmd and f"--process_id={index}" in cmd:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(int(pid), sig)
             return
     raise AssertionError(f"no process {index} of the run in {logdir}")
+
+
+def _started_to_step_1(cmd):
+    """`cmd` started, read until its first RL step's line: (the process, the lines read)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen, t0 = [], time.monotonic()
+    for line in proc.stdout:
+        seen.append(line)
+        if "RL step 1/3" in line:
+            break
+        assert time.monotonic() - t0 < 600, "".join(seen)[-3000:]
+    return proc, seen
 
 
 @pytest.mark.e2e
@@ -268,13 +290,7 @@ def test_a_killed_process_ends_the_run_and_the_same_command_resumes_it(tmp_path)
     flags = ["--config.controller.steps=3", "--config.controller.checkpoint_every=1", "--heartbeat_timeout_s=10"]
     cmd = [sys.executable, "launch/local_cluster.py", "-n", "2", "--", "launch/train.py",
            f"--config.logdir={logdir}", *RUN, *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen, t0 = [], time.monotonic()
-    for line in proc.stdout:
-        seen.append(line)
-        if "RL step 1/3" in line:
-            break
-        assert time.monotonic() - t0 < 600, "".join(seen)[-3000:]
+    proc, seen = _started_to_step_1(cmd)
     _kill_process(logdir, 1)
     killed = time.monotonic()
     rest, _ = proc.communicate(timeout=180)
@@ -290,3 +306,27 @@ def test_a_killed_process_ends_the_run_and_the_same_command_resumes_it(tmp_path)
     assert meta["step"] == 3 and len(meta["processes"]) == 2  # written by both, every process's part kept
     consumed = [tuple(x) for x in meta["consumed"]]
     assert len(consumed) == 3 * 8 and len(set(consumed)) == len(consumed)  # nothing trained twice
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_coordinator_alone_stops_every_process_naming_it(tmp_path, sig):
+    # only process 0 gets it (a scheduler that signals one host): process 1 stops too, at once, naming it
+    logdir = tmp_path / "run"
+    flags = ["--config.controller.steps=3", "--config.controller.checkpoint_every=1"]
+    proc, seen = _started_to_step_1([sys.executable, "launch/local_cluster.py", "-n", "2", "--", "launch/train.py",
+                                     f"--config.logdir={logdir}", *RUN, *flags])
+    _kill_process(logdir, 0, getattr(signal, sig))
+    signalled = time.monotonic()
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(seen) + rest
+    assert proc.returncode == 130, out[-3000:]  # Ctrl-C's status, on both
+    assert f"[0] interrupted by {sig} in RL at RL step " in out, out[-3000:]
+    assert f"[1] interrupted: process 0 of 2 was interrupted by {sig}; process 1 stops too" in out, out[-3000:]
+    assert "Traceback" not in out and "error:" not in out, out[-3000:]
+    assert time.monotonic() - signalled < 60  # not the heartbeat's timeout, nor gloo's or JAX's
+    latest = max(int(p.name) for p in (logdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert f"the last checkpoint (step {latest})" in out, out[-3000:]  # what the same command resumes from
+    meta = json.loads((logdir / "checkpoints" / str(latest) / "meta" / "metadata").read_text())
+    assert len(meta["processes"]) == 2  # written by both: a consistent checkpoint

@@ -306,3 +306,55 @@ def test_a_non_loopback_bind_without_a_key_is_refused():
         "error: --host=0.0.0.0 is not a loopback address: refusing to serve without --api_key"]
     assert time.perf_counter() - t0 < 60
 
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_drains_the_server_the_request_in_flight_finishes_and_it_exits_0(sig):
+    """SIGTERM (what Kubernetes sends before a kill) as Ctrl-C: new connections refused, the streamed request
+    in flight gets every token, then the server stops with status 0."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "serve.py"), f"--checkpoint={CHECKPOINT}",
+                             "--port=0", "--max_seq_len=1024", "--num_pages=256", "--drain_s=120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.search(r"at (http://\S+/v1)", line):
+            break
+    assert m, "".join(lines)[-3000:]
+    rest = []
+    reader = threading.Thread(target=lambda: rest.extend(proc.stdout), daemon=True)
+    reader.start()
+    body = dict(model="tiny_agentic_sft", prompt="2+3=", max_tokens=200, ignore_eos=True, temperature=0, stream=True)
+    request = urllib.request.Request(m.group(1) + "/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        chunks = [r.readline()]  # the first token: the request is in flight
+        os.kill(proc.pid, getattr(signal, sig))
+        t0 = time.monotonic()
+        while not any("draining" in line for line in rest):
+            assert time.monotonic() - t0 < 30, "".join(lines + rest)[-3000:]
+            time.sleep(0.05)
+        while True:  # nothing new gets in (the listener closes as the line is printed)
+            try:
+                urllib.request.urlopen(m.group(1) + "/models", timeout=10).close()
+            except urllib.error.URLError as e:
+                assert isinstance(e.reason, ConnectionRefusedError), e
+                break
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.05)
+        chunks += r.readlines()  # the rest of the request in flight
+    events = [json.loads(c[len(b"data: "):]) for c in chunks if c.startswith(b"data: {")]
+    assert b"data: [DONE]\n" in chunks, chunks[-3:]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"  # all 200 tokens
+    assert proc.wait(timeout=120) == 0
+    reader.join(10)
+    out = "".join(lines + rest)
+    assert f"{sig}: draining" in out and f"stopped by {sig}" in out and "Traceback" not in out, out[-3000:]

@@ -18,6 +18,9 @@ on every one (docs/multihost.md).
   error naming it, and so does the coordinator going away. JAX's own detection
   (its heartbeat timeout, which aborts with a stack trace) is set later than ours as the backstop. A process
   alive but stuck in its loop is caught by the next exchange's timeout (`exchange_timeout_s`), named too.
+- **Interruptions** (`Cluster.interrupted`): a process stopped by Ctrl-C or SIGTERM says so in its heartbeat;
+  the others' watchdogs stop them at once with status 130, naming the process and the signal. As with Ctrl-C
+  on every process, nothing new is saved (a save is collective): the last checkpoint resumes.
 
 A single process (`num_processes` 1, nothing initialized) gets the same `Cluster` with `count == 1`, whose
 exchanges return at once: the controller's code is the same either way.
@@ -25,6 +28,7 @@ exchanges return at once: the controller's code is the same either way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -38,6 +42,8 @@ from typing import Any, Callable, Sequence
 _CHUNK = 1 << 21
 # JAX's own heartbeat detection (it aborts the process with a stack trace) waits this many times ours
 _JAX_HEARTBEAT_FACTOR = 3
+# a heartbeat value: this process stopped on the signal named after it (`Cluster.interrupted`)
+_INTERRUPTED = "interrupted:"
 
 
 class ClusterError(RuntimeError):
@@ -206,6 +212,7 @@ class Cluster:
         self._watchdog: threading.Thread | None = None
         self._stop = threading.Event()
         self.on_failure: Callable[[str], None] | None = None
+        self.on_interrupted: Callable[[str], None] = _exit_interrupted
 
     @property
     def primary(self) -> bool:
@@ -363,16 +370,17 @@ class Cluster:
                     return
                 if me != 0:
                     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    return self._report(f"process 0 of {self.count} (the coordinator) is gone ({text})")
+                    return self._report(f"process 0 of {self.count} (the coordinator) is gone ({text})", "")
                 silent = None
             if silent is not None:
-                return self._report(silent)
+                return self._report(*silent)
             self._stop.wait(1.0)
 
-    def _silent(self, client, seen: dict) -> str | None:
-        """Reads every other process's beat (updating `seen`); the message naming the first one silent for
-        longer than the timeout, else None. A process that has not beaten yet is silent since this watchdog
-        started: one that died before its first beat is named too."""
+    def _silent(self, client, seen: dict) -> tuple[str, str] | None:
+        """Reads every other process's beat (updating `seen`); (the message, the signal or "") naming the first
+        one interrupted (`interrupted`: the signal) or silent for longer than the timeout, else None. A process
+        that has not beaten yet is silent since this watchdog started: one that died before its first beat is
+        named too."""
         timeout = self.spec.heartbeat_timeout_s
         for q, (last, since) in seen.items():
             try:
@@ -384,18 +392,57 @@ class Cluster:
             now = time.monotonic()
             if value == "done":  # it finished normally
                 continue
+            if value is not None and value.startswith(_INTERRUPTED):
+                signal_name = value[len(_INTERRUPTED):]
+                return f"process {q} of {self.count} was interrupted by {signal_name}", signal_name
             if value != last:
                 seen[q] = (value, now)
             elif now - since > timeout:
                 if last is None:
                     return (f"process {q} of {self.count} stopped: no heartbeat in the {now - since:.0f} s since "
-                            f"the watchdog started (it died before its first, or hangs)")
-                return f"process {q} of {self.count} stopped: no heartbeat for {now - since:.0f} s (it died or hangs)"
+                            f"the watchdog started (it died before its first, or hangs)"), ""
+                return (f"process {q} of {self.count} stopped: no heartbeat for {now - since:.0f} s (it died or "
+                        f"hangs)"), ""
         return None
 
-    def _report(self, message: str) -> None:
-        if not self._stop.is_set() and self.on_failure is not None:
+    def _report(self, message: str, signal_name: str) -> None:
+        if self._stop.is_set():
+            return
+        if signal_name:  # stop too, and say so in this beat: the coordinator waits for that before it exits
+            with contextlib.suppress(Exception):
+                self._client.key_value_set(f"tiderl/hb/{self.index}", _INTERRUPTED + signal_name, allow_overwrite=True)
+            self.on_interrupted(f"{message}; process {self.index} stops too")
+        elif self.on_failure is not None:
             self.on_failure(message)
+
+    def interrupted(self, signal_name: str, wait_s: float = 5.0) -> None:
+        """This process stops on `signal_name` (Ctrl-C's path: SIGINT, or SIGTERM): its heartbeat says so, and
+        every other process's watchdog stops it too, naming this one and the signal. The coordinator (process 0)
+        waits up to `wait_s` until every other process has seen it (their beats say interrupted, or done): its
+        key-value store ends with it, and a process that found it gone first would report a failure instead."""
+        if not self.multi:
+            return
+        self._stop.set()
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=2.0)  # its last beat must not overwrite the one below
+        try:
+            client = self._client
+            client.key_value_set(f"tiderl/hb/{self.index}", _INTERRUPTED + signal_name, allow_overwrite=True)
+            deadline = time.monotonic() + wait_s
+            while self.primary and time.monotonic() < deadline:
+                beats = [self._beat_of(client, q) for q in range(1, self.count)]
+                if all(b == "done" or (b or "").startswith(_INTERRUPTED) for b in beats):
+                    return
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - best effort: the others' heartbeat watch names this process anyway
+            pass
+
+    @staticmethod
+    def _beat_of(client, q: int) -> str | None:
+        try:
+            return client.key_value_try_get(f"tiderl/hb/{q}")
+        except Exception:  # noqa: BLE001 - NOT_FOUND: no beat yet
+            return None
 
     def finished(self) -> None:
         """This process ends normally: the others' watchdogs stop watching it."""
@@ -406,6 +453,12 @@ class Cluster:
             self._client.key_value_set(f"tiderl/hb/{self.index}", "done", allow_overwrite=True)
         except Exception:  # noqa: BLE001
             pass
+
+
+def _exit_interrupted(message: str) -> None:
+    print(f"interrupted: {message}; across processes nothing new is saved: the last checkpoint resumes with the "
+          f"same command on every process", file=sys.stderr, flush=True)
+    os._exit(130)  # Ctrl-C's status
 
 
 def _exit_named(message: str) -> None:

@@ -356,10 +356,11 @@ class _Server(uvicorn.Server):
 
 
 class HTTPServer:
-    """Uvicorn serving `build_app(frontend)` on the running event loop."""
+    """Uvicorn serving `build_app(frontend)` on the running event loop. `stop` drains: the listener closes
+    at once (new connections are refused), requests in flight get up to `drain_s` to finish."""
 
-    def __init__(self, frontend: Frontend, host: str = "127.0.0.1", port: int = 8000):
-        self.frontend, self.host, self.port = frontend, host, port
+    def __init__(self, frontend: Frontend, host: str = "127.0.0.1", port: int = 8000, drain_s: float = 2.0):
+        self.frontend, self.host, self.port, self.drain_s = frontend, host, port, drain_s
         self.metrics = ServerMetrics()
         self.app = build_app(frontend, self.metrics)
         self._task = self._sweeper = None
@@ -371,7 +372,7 @@ class HTTPServer:
 
     async def start(self) -> None:
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=2)
+                                lifespan="off", timeout_graceful_shutdown=self.drain_s)
         self._server = _Server(config)
         self._task = asyncio.ensure_future(self._server.serve())
         while not self._server.started:
@@ -392,7 +393,9 @@ class HTTPServer:
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._task is not None:
+            for listener in self._server.servers:  # now, not at uvicorn's next tick: nothing new gets in
+                listener.close()
             self._server.should_exit = True
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(self._task, 10)
+                await asyncio.wait_for(self._task, self.drain_s + 10)
             self._task = None
