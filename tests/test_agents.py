@@ -61,6 +61,13 @@ def test_calc_tool_is_safe():
             T.safe_eval(bad)
 
 
+def test_a_calculator_expression_python_warns_about_is_refused_without_a_warning(recwarn):
+    for bad in ["2and 3", "1if 2 else 3", "3x"]:  # Python's "invalid decimal literal" warning (or error)
+        with pytest.raises(ToolError, match="cannot parse"):
+            T.safe_eval(bad)
+    assert not [w for w in recwarn if issubclass(w.category, SyntaxWarning)]
+
+
 def test_malformed_and_failing_calls_become_observations():
     task = T.make_task("calculator", 0)
     env, results = _run_env(task, [

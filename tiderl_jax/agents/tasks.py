@@ -26,6 +26,7 @@ import json
 import operator
 import random
 import re
+import warnings
 import zlib
 from typing import Any, Callable, Mapping, Sequence
 
@@ -58,7 +59,9 @@ def safe_eval(expr: str) -> int:
     if len(expr) > 200:
         raise ToolError("expression longer than 200 characters")
     try:
-        tree = ast.parse(expr, mode="eval")
+        with warnings.catch_warnings():  # "2and 3" warns (invalid decimal literal) on stderr: refused here instead
+            warnings.simplefilter("error", SyntaxWarning)
+            tree = ast.parse(expr, mode="eval")
     except SyntaxError:
         raise ToolError(f"cannot parse {expr!r}") from None
 
