@@ -166,3 +166,18 @@ def test_bad_input_is_refused():
         route("least_loaded", [req(1, cls="chat")], [rep(0)])
     with pytest.raises(ValueError, match="kv_pinned_tokens"):
         Replica(0, kv_used_tokens=1, kv_pinned_tokens=2)
+
+
+def test_each_policy_says_what_its_caller_must_measure_and_which_classes_a_request_may_name():
+    from tiderl_jax.policies import routing
+
+    assert {n for n, p in POLICIES.items() if p.reads_prefix_cache} == {"cache_aware", "misa_t"}
+    assert {n for n, p in POLICIES.items() if p.class_quotas} == {"misa_t"}
+    r = POLICIES["least_loaded"]([req(1)], [rep(0)])  # called as the policy itself
+    assert placed(r) == [(1, 0, "least-loaded")]
+    two = {"agentic": 1.0, "tool": 1.0}
+    tool = RouterConfig(misa_t=MISATConfig(target=two, prior_kv_tokens=two, prior_residency_s=two))
+    assert routing.classes() == ("agentic", "rlvr", "rlhf") and routing.classes(tool)[-1] == "tool"
+    assert placed(route("misa_t", [req(1, cls="tool")], [rep(0)], config=tool))
+    with pytest.raises(ValueError, match="class 'tool' is not one of"):
+        route("least_loaded", [req(1, cls="tool")], [rep(0)])

@@ -110,3 +110,25 @@ def test_speculation_pays_is_use_speculations_rule():
                 d = war.use_speculation(batch, t_spec, accepted, 0.02)
                 assert war.speculation_pays(batch, t_spec, accepted, 0.02) == d.use
                 assert d.reason  # explained when read
+
+
+def test_the_switch_measures_each_kind_first_probes_on_its_class_s_count_and_holds_a_tie():
+    cfg = war.SpecSwitchConfig(probe_every=3, margin=0.1)
+    h = war.SpecClassHistory()
+    use, h, d = war.switch_speculation(4, None, None, None, h, cfg)
+    assert (use, h.decisions, d) == (False, 1, None)  # plain measured first
+    use, h, d = war.switch_speculation(4, 0.010, None, None, h, cfg)
+    assert (use, d) == (True, None)  # then speculation once
+    use, h, d = war.switch_speculation(4, 0.010, 0.019, 2.0, h, cfg)  # the class's 3rd decision: a probe
+    assert (use, d, h.last_use) == (True, None, False)  # the kind not chosen last
+    use, h, d = war.switch_speculation(4, 0.010, 0.019, 2.0, h, cfg)  # saves 5% < the 10% margin: stays off
+    assert not use and "10% under" in d.reason
+    use, h, _ = war.switch_speculation(4, 0.010, 0.016, 2.0, h, cfg)  # saves 20%: on
+    assert use and h.last_use
+    use, h, _ = war.switch_speculation(4, 0.010, 0.019, 2.0, h, cfg)  # the 6th: a probe runs plain
+    assert not use and h.last_use
+    use, h, _ = war.switch_speculation(4, 0.010, 0.019, 2.0, h, cfg)  # on, it stays on while it saves anything
+    assert use and h.decisions == 7
+    assert war.switch_speculation(17, 0.010, 0.001, 9.0, h, cfg)[:2] == (False, h)  # above the batch: not counted
+    with pytest.raises(ValueError, match="probe_every"):
+        war.SpecSwitchConfig(probe_every=0)

@@ -5,6 +5,7 @@ by what happened, not by timing."""
 
 import asyncio
 import json
+import threading
 import types
 
 import pytest
@@ -16,10 +17,11 @@ from tiderl_jax.engine.sampling import SamplingParams  # noqa: E402
 from tiderl_jax.faults.engine_worker import GenerationResult  # noqa: E402
 from tiderl_jax.faults.worker_engine import WorkerEngine  # noqa: E402
 from tiderl_jax.model.tokenizer import Tokenizer  # noqa: E402
+from tiderl_jax.policies import routing  # noqa: E402
 from tiderl_jax.serving.openai_api import protocol as P  # noqa: E402
 from tiderl_jax.serving.openai_api.app import build_app  # noqa: E402
 from tiderl_jax.serving.openai_api.frontend import Frontend, ServerLimits  # noqa: E402
-from tiderl_jax.serving.service import RolloutService  # noqa: E402
+from tiderl_jax.serving.service import RolloutService, ServiceConfig  # noqa: E402
 
 TOK = Tokenizer.builtin()
 REPLY = TOK.encode("hello STOP world")
@@ -72,7 +74,8 @@ async def running(service: RolloutService, body):
         await service.stop()
 
 
-async def asgi(app, path: str, body: dict, *, block_on: str | None = None, disconnect=None) -> list[dict]:
+async def asgi(app, path: str, body: dict, *, block_on: str | None = None, disconnect=None,
+               headers: dict | None = None) -> list[dict]:
     """One POST through the ASGI app as uvicorn makes it (ASGI spec 2.3): the messages the app sent. The client
     disconnects at once when `disconnect` is None, else once `disconnect()` returns; `block_on`: the client stops
     reading at the first message of this type (that send never returns)."""
@@ -92,7 +95,8 @@ async def asgi(app, path: str, body: dict, *, block_on: str | None = None, disco
             await asyncio.Event().wait()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "root_path": "", "headers": [(b"content-type", b"application/json")]
+             + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
     await app(scope, receive, send)
     return sent
@@ -156,6 +160,119 @@ def test_top_logprobs_through_engine_workers_are_refused_by_name():
         assert (e.value.status, e.value.param, e.value.code) == (400, param, "unsupported_parameter")
         assert "engine workers" in e.value.message
     f.plan_completion(completion(prompt="hi", logprobs=0, max_tokens=4), None)  # no top: served
+
+
+class SteppingEngine(WorkerEngine):
+    """A `WorkerEngine` whose step waits in its worker thread until `gate` opens, recording every read of its state
+    made while a step runs (`raced`)."""
+
+    def __init__(self, client: FakeClient):
+        super().__init__(client, types.SimpleNamespace(vocab_size=TOK.vocab_size),
+                         EngineConfig(num_pages=64, max_seq_len=256), poll_s=0.001)
+        self.gate, self.in_step, self.raced = threading.Event(), threading.Event(), []
+        for name in ("stats", "load", "free_kv_tokens", "num_kv_tokens", "cached_prefix_tokens"):
+            setattr(self, name, self._checked(name, getattr(self, name)))
+
+    def _checked(self, name, read):
+        def checked(*args):
+            if self.in_step.is_set():
+                self.raced.append(name)
+            return read(*args)
+        return checked
+
+    def step(self):
+        self.in_step.set()
+        try:
+            assert self.gate.wait(30)
+            return super().step()
+        finally:
+            self.in_step.clear()
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "cache_aware"])
+def test_the_router_and_the_stats_never_read_an_engine_while_it_steps(policy):
+    """A turn arrives and the stats are read while one replica's step runs in its worker thread: what is read of
+    that replica is what it recorded right before the step, and a policy that needs no prefix lookups places the
+    turn at once (a prefix-reading one waits for the step: its lookups are made between steps)."""
+    engines = [SteppingEngine(FakeClient()) for _ in range(2)]
+    service = RolloutService(engines, ServiceConfig(policy=policy))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=5)
+
+    def turn(session):
+        return asyncio.ensure_future(service.turn(session, tokens=[1, 2, 3],
+                                                  submit=lambda eng: eng.submit(Request([1, 2, 3], sampling))))
+
+    async def body():
+        first = turn("a")
+        while not any(e.in_step.is_set() for e in engines):
+            await asyncio.sleep(0.001)
+        busy = next(i for i, e in enumerate(engines) if e.in_step.is_set())
+        second = turn("b")
+        await asyncio.sleep(0.05)  # the service's ticks route meanwhile
+        stats = service.stats()
+        placed_beside = bool(engines[1 - busy].client.prompts)
+        for e in engines:
+            e.gate.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 30)
+        return busy, stats, placed_beside
+    busy, stats, placed_beside = asyncio.run(running(service, body))
+    assert [e.raced for e in engines] == [[], []]
+    assert stats[busy]["running"] == 1  # as recorded right before its step
+    assert placed_beside == (policy == "least_loaded")
+
+
+def test_a_policy_that_reads_the_prefix_cache_gets_the_lookups_whatever_its_name(monkeypatch):
+    views = []
+
+    def spy(requests, replicas, state, config, **kw):
+        views.append([dict(w.cached_tokens) for w in replicas])
+        return routing.least_loaded(requests, replicas, state, config, **kw)
+    monkeypatch.setitem(routing.POLICIES, "spy", routing.RouterPolicy(spy, reads_prefix_cache=True))
+    engine = WorkerEngine(FakeClient(), types.SimpleNamespace(vocab_size=TOK.vocab_size),
+                          EngineConfig(num_pages=64, max_seq_len=256), poll_s=0.001)
+    engine.cached_prefix_tokens = lambda tokens: len(tokens) - 1
+    service = RolloutService([engine], ServiceConfig(policy="spy"))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=5)
+
+    async def body():
+        await service.turn("s", tokens=[1, 2, 3], submit=lambda eng: eng.submit(Request([1, 2, 3], sampling)))
+    asyncio.run(running(service, body))
+    assert views[0] == [{"s": 2}]
+
+
+def test_a_request_names_its_workload_class_by_header_or_field_checked_and_kept_by_its_session():
+    service, f = serve(FakeClient())
+    app = build_app(f)
+    turns, ended = [], []
+    turn, end = service.turn, service.end_session
+
+    async def recording(session, **kw):
+        turns.append((session, kw["cls"]))
+        return await turn(session, **kw)
+    service.turn = recording
+    service.end_session = lambda session, cls, kv: (ended.append((session, cls)), end(session, cls, kv))
+
+    async def body():
+        def call(headers=None, **fields):
+            return asgi(app, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **fields}, headers=headers)
+        out = [response(await call())[0],  # stateless: rlvr
+               response(await call(session_id="s"))[0],  # a session: agentic
+               response(await call({"X-Workload-Class": "rlhf"}))[0],
+               response(await call(session_id="t", workload_class="rlhf"))[0],
+               response(await call({"X-Workload-Class": "rlhf"}, session_id="t", workload_class="rlvr"))[0]]
+        refused = [response(await call({"X-Workload-Class": "chat"})),
+                   response(await call({"X-Workload-Class": "rlvr"}, session_id="t"))]
+        f.end_session("s")
+        f.end_session("t")
+        return out, refused
+    out, refused = asyncio.run(running(service, body))
+    assert out == [200] * 5
+    assert [cls for _, cls in turns] == ["rlvr", "agentic", "rlhf", "rlhf", "rlhf"]  # the header before the field
+    (status, err), (status2, err2) = refused
+    assert status == 400 and err["error"]["param"] == "workload_class" and "'chat'" in err["error"]["message"]
+    assert status2 == 400 and err2["error"]["code"] == "session_class"
+    assert [(s, cls) for s, cls in ended if s in ("s", "t")] == [("s", "agentic"), ("t", "rlhf")]
+    assert sorted(cls for s, cls in ended if s not in ("s", "t")) == ["rlhf", "rlvr"]  # the stateless calls
 
 
 # ------------------------------------------------------------------ sessions ended mid-call

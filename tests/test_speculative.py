@@ -14,6 +14,7 @@ from tiderl_jax.engine.engine import Engine, EngineConfig, Request, Status
 from tiderl_jax.engine.sampling import SamplingParams, _sampling_logits, row_keys, verify_drafts, verify_uniforms
 from tiderl_jax.engine.speculation import SpecSwitch
 from tiderl_jax.model.hf_io import load_hf_checkpoint
+from tiderl_jax.policies import war
 
 MODEL = load_hf_checkpoint(FIXTURES / "qwen3")
 SMALL = dict(page_size=8, num_pages=256, max_seq_len=256, max_running=8, prefill_chunk=16,
@@ -219,7 +220,7 @@ def test_warmup_compiles_the_verify_programs_and_steady_state_compiles_nothing()
 # ----------------------------------------------------------------------------------------------- the switch
 
 def test_the_switch_measures_both_kinds_then_follows_wars_rule():
-    sw = SpecSwitch("auto", max_batch=16, classes=(1, 4, 16), probe_every=1000)
+    sw = SpecSwitch("auto", (1, 4, 16), war.SpecSwitchConfig(probe_every=1000))
     assert sw.decide(2) is False  # no plain measurement yet: plain first
     sw.record_decode(2, True, 0.010)
     assert sw.decide(2, multi_step=False) is False  # a one-step plain call is another regime: measured first
@@ -229,12 +230,12 @@ def test_the_switch_measures_both_kinds_then_follows_wars_rule():
     sw.record_spec(2, 0.060, emitted_per_seq=1.0)  # averaged: 0.0232 s per step, 2.2 tokens: 0.0105 > 0.010
     assert sw.decide(3) is False
     assert sw.decide(17) is False  # above WAR's batch
-    assert SpecSwitch("off", 16, (1, 4, 16)).decide(1) is False
-    assert SpecSwitch("on", 16, (1, 4, 16)).decide(16) is True
+    assert SpecSwitch("off", (1, 4, 16)).decide(1) is False
+    assert SpecSwitch("on", (1, 4, 16)).decide(16) is True and SpecSwitch("on", (1, 4, 16)).decide(17) is False
 
 
 def test_the_switch_needs_a_margin_to_turn_on_and_measures_acceptance_per_batch_class():
-    sw = SpecSwitch("auto", max_batch=16, classes=(1, 4, 16), probe_every=1000, margin=0.1)
+    sw = SpecSwitch("auto", (1, 4, 16), war.SpecSwitchConfig(probe_every=1000, margin=0.1))
     for batch in (1, 4):
         sw.record_decode(batch, True, 0.010)
     sw.record_spec(4, 0.019, emitted_per_seq=2.0)  # 0.0095 s per token: 5% faster, inside the margin
@@ -251,8 +252,44 @@ def test_the_switch_needs_a_margin_to_turn_on_and_measures_acceptance_per_batch_
 
 
 def test_the_switch_probes_the_kind_it_did_not_choose():
-    sw = SpecSwitch("auto", max_batch=16, classes=(1, 4, 16), probe_every=4)
+    sw = SpecSwitch("auto", (1, 4, 16), war.SpecSwitchConfig(probe_every=4))
     sw.record_decode(1, True, 0.01)
     sw.record_spec(1, 0.05, 1.2)
     choices = [sw.decide(1) for _ in range(12)]
     assert choices.count(True) == 3 and choices.count(False) == 9
+
+
+def test_each_batch_class_counts_its_own_decisions_to_its_probes():
+    """Decisions alternating between two classes: one global count would land every probe on the same class."""
+    sw = SpecSwitch("auto", (1, 4, 16), war.SpecSwitchConfig(probe_every=2))
+    for batch in (1, 4):  # speculation loses in both classes
+        sw.record_decode(batch, True, 0.01)
+        sw.record_spec(batch, 0.05, 1.2)
+    choices = {1: [], 4: []}
+    for _ in range(6):
+        for batch in (1, 4):
+            choices[batch].append(sw.decide(batch))
+    assert choices == {1: [False, True] * 3, 4: [False, True] * 3}  # each class re-measures speculation
+    assert sw.history[1].decisions == sw.history[4].decisions == 6
+
+
+def test_acceptance_counts_the_tokens_up_to_the_stop_not_the_drafts_verified_past_it():
+    """Drafts that are the greedy continuation are all accepted, past the stop token the turn ends on: the switch
+    measures the tokens the step emitted (the stop included), not the verified ones."""
+    prompt = _repetitive_prompts(1, seed=4)[0]
+    out = greedy(MODEL, prompt, 12)
+    at = next(i for i in range(1, 4) if out[i] not in out[:i])  # the turn ends on out[at], drafted in one step
+    stop = out[at]
+    eng = _engine(speculation="on", spec_tokens=4)
+    recorded = []
+    record = eng.spec_switch.record_spec
+    eng.spec_switch.record_spec = lambda batch, seconds, emitted: (recorded.append(emitted),
+                                                                   record(batch, seconds, emitted))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, stop_ids=(stop,))
+    for key in ("compile", "measured"):  # the first run compiles its programs (not measured)
+        eng.add_draft(key, prompt + out)
+        h = eng.submit(Request(prompt, sp, draft_key=key))
+        eng.run([h])
+        assert eng.get(h).new_tokens == out[:at + 1]
+    # prefill gives the first token; one speculative step accepts all 4 drafts and emits those up to the stop
+    assert recorded == [float(at)] and eng.stats()["spec_emitted"] == 2 * at

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tiderl_jax.policies import war
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -35,7 +37,7 @@ class EngineConfig:
     # times and acceptance). Its verify programs are compiled by `warmup` only when it is not "off".
     speculation: str = "off"
     spec_tokens: int = 4  # drafted tokens verified per step and sequence
-    spec_max_batch: int = 16  # WAR: speculation only at effective batches up to this (the paper's ~16)
+    spec_max_batch: int = war.SPEC_MAX_BATCH  # WAR: speculation only at effective batches up to this
     # the drafter's memory bound: tokens indexed over all its draft keys (least recently used keys dropped past
     # it; engine/drafter.py: about 2.2 KB per token at worst, so 1M tokens is at most ~2.3 GB)
     draft_max_tokens: int = 1 << 20

@@ -8,18 +8,15 @@ token drawn by `sampling.verify_drafts`: greedy output is plain decoding's token
 plain sampling's distribution; every token carries its two log-probs as a plain step's do. KV written
 for rejected drafts lies beyond the sequence's length: it is never read and the next step overwrites it.
 
-`SpecSwitch` decides per step (WAR's rule, `policies.war.use_speculation`): off above `spec_max_batch`
-sequences; else on when the measured seconds of a speculative step per emitted token are below the
-measured seconds of a plain decode step, at the same batch size class and in the same regime: a plain call
-runs `decode_steps` steps when nothing else waits (its dispatch and host work amortized over them) but
-one step while prefills are pending, and a speculative call always runs one. Measurements are moving
-averages of this engine's own steps (host work included: drafting, batching, the device call), and the
-acceptance too is measured per batch class (a batch of one drafts from the tail of a long task, a larger
-batch from sequences that may be anywhere). A class with no measurement of one kind runs that kind once,
-and every `probe_every`-th decision runs the other kind so that both stay current. Steps that compiled a
-program are not measured. The measurements are noisy (a shared host, step times of a few ms), so the
-switch turns speculation on only when it saves `margin` of a plain step, and turns it off again only when
-it no longer saves anything: a measured tie leaves it where it is.
+`SpecSwitch` measures and `policies.war.switch_speculation` decides per step (WAR's rule with our probes and
+hysteresis: its docstring): off above `spec_max_batch` sequences; else on when the measured seconds of a
+speculative step per emitted token are below the measured seconds of a plain decode step, at the same batch size
+class and in the same regime: a plain call runs `decode_steps` steps when nothing else waits (its dispatch and
+host work amortized over them) but one step while prefills are pending, and a speculative call always runs one.
+Measurements are moving averages of this engine's own steps (host work included: drafting, batching, the device
+call), and the acceptance too is measured per batch class (a batch of one drafts from the tail of a long task, a
+larger batch from sequences that may be anywhere): the tokens a step emitted, up to and including a stop token.
+Steps that compiled a program are not measured.
 """
 
 from __future__ import annotations
@@ -36,18 +33,16 @@ from tiderl_jax.policies import war
 
 
 class SpecSwitch:
-    """WAR's per-step speculation switch over measured step times and acceptance."""
+    """WAR's per-step speculation switch: this engine's measurements per batch class; `war.switch_speculation`
+    decides on them."""
 
-    def __init__(self, mode: str, max_batch: int, classes: Sequence[int], probe_every: int = 64,
-                 smoothing: float = 0.2, margin: float = war.SPEC_MARGIN):
-        self.mode, self.max_batch, self.classes = mode, max_batch, tuple(classes)
-        self.probe_every, self.smoothing, self.margin = probe_every, smoothing, margin
+    def __init__(self, mode: str, classes: Sequence[int], config: war.SpecSwitchConfig = war.SpecSwitchConfig()):
+        self.mode, self.classes, self.config = mode, tuple(classes), config
         self.t_decode: dict[tuple[int, bool], float] = {}  # (batch class, multi-step) -> seconds per plain step
         self.t_spec: dict[int, float] = {}  # batch class -> seconds per speculative step
         self.accepted: dict[int, float] = {}  # batch class -> tokens emitted per sequence per speculative step
+        self.history: dict[int, war.SpecClassHistory] = {}  # batch class -> the policy's state
         self.last: war.SpecDecision | None = None
-        self._decisions = 0
-        self._last_use: dict[int, bool] = {}  # batch class -> what the rule chose last
 
     def _class(self, batch: int) -> int:
         return bucket(min(batch, self.classes[-1]), self.classes)
@@ -55,31 +50,24 @@ class SpecSwitch:
     def decide(self, batch: int, multi_step: bool = True) -> bool:
         """Whether this decode step of `batch` sequences speculates (`multi_step`: a plain call would run several
         steps)."""
-        if self.mode == "off" or batch < 1 or batch > self.max_batch:
+        if self.mode == "off" or not 1 <= batch <= self.config.max_batch:
             return False
         if self.mode == "on":
             return True
         c = self._class(batch)
-        self._decisions += 1
-        if (c, multi_step) not in self.t_decode:
-            use = False
-        elif c not in self.t_spec:
-            use = True
-        elif self._decisions % self.probe_every == 0:
-            use = not self._last_use.get(c, False)  # refresh the measurement of the kind not chosen lately
-        else:
-            on = self._last_use.get(c, False)
-            self.last = war.use_speculation(batch, self.t_spec[c], self.accepted[c], self.t_decode[c, multi_step],
-                                            self.max_batch, margin=0.0 if on else self.margin)
-            use = self._last_use[c] = self.last.use
+        use, self.history[c], decision = war.switch_speculation(
+            batch, self.t_decode.get((c, multi_step)), self.t_spec.get(c), self.accepted.get(c),
+            self.history.get(c, war.SpecClassHistory()), self.config)
+        if decision is not None:
+            self.last = decision
         return use
 
-    def _average(self, table: dict, c: int, value: float) -> None:
+    def _average(self, table: dict, c: Hashable, value: float) -> None:
         old = table.get(c)
-        table[c] = value if old is None else old + self.smoothing * (value - old)
+        table[c] = value if old is None else old + self.config.smoothing * (value - old)
 
     def record_decode(self, batch: int, multi_step: bool, seconds_per_step: float) -> None:
-        if batch <= self.max_batch:
+        if batch <= self.config.max_batch:
             self._average(self.t_decode, (self._class(batch), multi_step), seconds_per_step)
 
     def record_spec(self, batch: int, seconds: float, emitted_per_seq: float) -> None:
@@ -94,7 +82,8 @@ class SpeculativeDecoding:
         cfg = self.config
         self.drafter = Drafter(max_tokens=cfg.draft_max_tokens)
         self._spec_row_buckets = pow2_buckets(1, min(cfg.spec_max_batch, cfg.max_running), cfg.bucket_growth)
-        self.spec_switch = SpecSwitch(cfg.speculation, cfg.spec_max_batch, self._spec_row_buckets)
+        self.spec_switch = SpecSwitch(cfg.speculation, self._spec_row_buckets,
+                                      war.SpecSwitchConfig(max_batch=cfg.spec_max_batch))
 
     def add_draft(self, key: Hashable, tokens: Sequence[int]) -> None:
         """Indexes an earlier sequence (a trajectory of the task) for sequences submitted under `draft_key=key`."""
@@ -144,7 +133,8 @@ class SpeculativeDecoding:
         before, now = c["decode_tokens"], time.perf_counter()
         ended = [s.id for i, s in enumerate(batch)
                  if self._emit(s, tok[i, :emitted[i]], lps[i, :emitted[i]], lpm[i, :emitted[i]], now)]
-        c["spec_emitted"] += c["decode_tokens"] - before
+        kept = c["decode_tokens"] - before  # up to and including a stop: drafts verified past it are not emitted
+        c["spec_emitted"] += kept
         if not self.runner.compiled:
-            self.spec_switch.record_spec(len(batch), time.perf_counter() - t0, int(emitted.sum()) / len(batch))
+            self.spec_switch.record_spec(len(batch), time.perf_counter() - t0, kept / len(batch))
         return ended

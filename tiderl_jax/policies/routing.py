@@ -5,7 +5,9 @@ now_s=, ended=)` at every scheduling tick, or `POLICIES[name]` with the same arg
 returns a `Routing`: placements, the request ids **held back**, and the router's new state (the caller
 keeps it, as with `ers.ERSHistory`). The router keeps no request: held requests are the caller's to
 offer again at the next call. Every request offered ends up in exactly one of placements or held;
-nothing is dropped, even with no replica alive.
+nothing is dropped, even with no replica alive. Each `POLICIES` entry (a `RouterPolicy`) also says what
+its caller must measure for it: prefix-cache lookups (`reads_prefix_cache`), workload classes and the
+sessions that ended (`class_quotas`).
 
 Views: a `Request` names its session (one task's multi-turn conversation, a sample of a GRPO group),
 its class (`rlvr`, `rlhf`, `agentic`), its turn (0: a new session) and the replica holding the session's
@@ -63,8 +65,8 @@ from . import misa_t as _misa_t
 from . import war as _war
 from .misa_t import CLASSES, MISATConfig, MISATState, SessionEnd
 
-__all__ = ["CLASSES", "POLICIES", "Placement", "Replica", "Request", "RouterConfig", "RouterState", "Routing",
-           "SessionEnd", "cache_aware", "least_loaded", "misa_t", "round_robin", "route", "war"]
+__all__ = ["CLASSES", "POLICIES", "Placement", "Replica", "Request", "RouterConfig", "RouterPolicy", "RouterState",
+           "Routing", "SessionEnd", "cache_aware", "classes", "least_loaded", "misa_t", "round_robin", "route", "war"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,8 +329,31 @@ def misa_t(requests: Sequence[Request], replicas: Sequence[Replica], state: Rout
     return _finish(placements, adm.held, dataclasses.replace(state, misa_t=adm.state))
 
 
-POLICIES: dict[str, Policy] = {"round_robin": round_robin, "least_loaded": least_loaded, "cache_aware": cache_aware,
-                               "war": war, "misa_t": misa_t}
+@dataclasses.dataclass(frozen=True)
+class RouterPolicy:
+    """A policy and what its caller must give it beyond the load views (called as the policy itself)."""
+
+    decide: Policy
+    # reads `Replica.cached_tokens` for replicas not holding the session's KV: the caller looks every request's
+    # context up in every replica's prefix cache
+    reads_prefix_cache: bool = False
+    # admits by workload class (`Request.cls`, MISA-T's quotas from the `ended` sessions): the caller's class
+    # labels decide admission, and the sessions that ended must be reported
+    class_quotas: bool = False
+
+    def __call__(self, *args, **kwargs) -> Routing:
+        return self.decide(*args, **kwargs)
+
+
+POLICIES: dict[str, RouterPolicy] = {
+    "round_robin": RouterPolicy(round_robin), "least_loaded": RouterPolicy(least_loaded),
+    "cache_aware": RouterPolicy(cache_aware, reads_prefix_cache=True), "war": RouterPolicy(war),
+    "misa_t": RouterPolicy(misa_t, reads_prefix_cache=True, class_quotas=True)}
+
+
+def classes(config: RouterConfig = RouterConfig()) -> tuple[str, ...]:
+    """The workload classes a request may name: `CLASSES` and those of MISA-T's target."""
+    return tuple(CLASSES) + tuple(c for c in config.misa_t.target if c not in CLASSES)
 
 
 def route(policy: str, requests: Sequence[Request], replicas: Sequence[Replica],
@@ -346,9 +371,10 @@ def route(policy: str, requests: Sequence[Request], replicas: Sequence[Replica],
     rids = [r.request_id for r in requests]
     if len(set(rids)) != len(rids):
         raise ValueError(f"routing: duplicate request ids in {rids}")
+    known = classes(config)
     for r in requests:
-        if r.cls not in CLASSES and r.cls not in config.misa_t.target:
-            raise ValueError(f"routing request {r.request_id}: class {r.cls!r} is not one of {CLASSES}")
+        if r.cls not in known:
+            raise ValueError(f"routing request {r.request_id}: class {r.cls!r} is not one of {known}")
     decision = POLICIES[policy](requests, replicas, state, config, now_s=now_s, ended=ended)
     return _place_pinned(decision, requests, {w.replica for w in replicas})
 

@@ -26,9 +26,18 @@ generate; a replica is one rollout engine.
 - **Speculative decoding** (`use_speculation`, the paper's rule): on for a replica only while its
   effective batch B is small (<= `spec_max_batch`, about 16 in the paper) and a speculative step
   pays for itself per emitted token: `T_spec(B) / accepted_tokens(B) < T_decode(B)`, where
-  `accepted_tokens` counts the tokens one speculative step emits per sequence (accepted drafts + 1).
+  `accepted_tokens` counts the tokens one speculative step emits per sequence (accepted drafts + 1,
+  up to and including a stop token: drafts verified past the turn's end are not emitted).
   The drafter in the paper is model-free (suffix trees over earlier trajectories); the rule only
   needs its measured step time and acceptance.
+- **The engine's per-step switch** (`switch_speculation`, ours around the paper's rule): the engine
+  measures both kinds of step per batch class (moving averages, `smoothing` on the newest) and asks
+  per decode step. A class with no plain measurement runs plain, then one with no speculative
+  measurement speculates (each kind measured once); every `probe_every`-th decision *of that class*
+  runs the kind the rule did not choose last, so both measurements stay current (a class's own
+  count: decisions of other classes never land its probes); otherwise the rule with hysteresis:
+  speculation turns on only when it saves `margin` of a plain step, and off only when it saves
+  nothing (the measurements are noisy: a measured tie leaves it where it is).
 
 Metric served: rollout throughput (tokens per second) and, through the waiting threshold, fewer
 environment-side timeouts.
@@ -41,7 +50,6 @@ import math
 from typing import Mapping, Sequence
 
 SPEC_MAX_BATCH = 16  # the paper: speculation pays at effective batches of about 16 or fewer
-SPEC_MARGIN = 0.1  # ours: the engine switch turns speculation on only when it saves this share of a plain step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,3 +232,46 @@ def speculation_pays(effective_batch: int, t_spec_s: float, accepted_tokens: flo
     decode event on inputs it made itself (the simulator's replicas)."""
     return (0 < effective_batch <= spec_max_batch
             and t_spec_s / accepted_tokens < t_decode_s * (1 - margin))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecSwitchConfig:
+    max_batch: int = SPEC_MAX_BATCH  # speculation only at effective batches up to this
+    margin: float = 0.1  # (ours) share of a plain step speculation must save to turn on (noisy measurements)
+    probe_every: int = 64  # (ours) every probe_every-th decision of a batch class runs the kind not chosen
+    smoothing: float = 0.2  # (ours) weight of the newest step in the measured moving averages
+
+    def __post_init__(self):
+        if self.max_batch < 1 or self.probe_every < 1:
+            raise ValueError(f"SpecSwitchConfig: need max_batch >= 1 and probe_every >= 1, got {self}")
+        if not 0 <= self.margin < 1 or not 0 < self.smoothing <= 1:
+            raise ValueError(f"SpecSwitchConfig: need margin in [0, 1) and smoothing in (0, 1], got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecClassHistory:
+    """One batch class's switch state (the caller keeps one per class, as with `ers.ERSHistory`)."""
+
+    decisions: int = 0  # of this class
+    last_use: bool = False  # what the rule chose last (measurements and probes aside)
+
+
+def switch_speculation(effective_batch: int, t_decode_s: float | None, t_spec_s: float | None,
+                       accepted_tokens: float | None, history: SpecClassHistory = SpecClassHistory(),
+                       config: SpecSwitchConfig = SpecSwitchConfig()
+                       ) -> tuple[bool, SpecClassHistory, SpecDecision | None]:
+    """Whether this decode step speculates (module docstring), on the measurements of its batch class (None:
+    not measured yet); returns the class's new history and the rule's decision when the rule decided (None for a
+    first measurement or a probe)."""
+    if not 1 <= effective_batch <= config.max_batch:
+        return False, history, None
+    decisions = history.decisions + 1
+    if t_decode_s is None:
+        return False, dataclasses.replace(history, decisions=decisions), None
+    if t_spec_s is None or accepted_tokens is None:
+        return True, dataclasses.replace(history, decisions=decisions), None
+    if decisions % config.probe_every == 0:  # refresh the measurement of the kind not chosen lately
+        return not history.last_use, dataclasses.replace(history, decisions=decisions), None
+    decision = use_speculation(effective_batch, t_spec_s, accepted_tokens, t_decode_s, config.max_batch,
+                               margin=0.0 if history.last_use else config.margin)
+    return decision.use, SpecClassHistory(decisions, decision.use), decision

@@ -23,7 +23,12 @@ service keeps, per session, the replica and engine handle of its KV; `release(se
 Each replica is driven by a `Driver`: it owns the engine, applies commands (submit, resume, release, a weight
 swap) between engine steps and hands each turn's output to whoever waits for it. Per-replica stats
 (`stats()`): running, waiting, KV used / pinned / free, prefix-cache hits, tokens/s; the router reads the same
-numbers as `policies.routing.Replica` views.
+numbers as `policies.routing.Replica` views. An engine is read only between its steps: a step runs in a worker
+thread and moves sequences, pages and counters as it goes, so while one runs the router and `stats()` read what
+the replica recorded right before it (`EngineReplica.observe`). A policy that reads the prefix cache
+(`RouterPolicy.reads_prefix_cache`) gets each turn's lookups made between steps: a turn is offered to it once
+every live replica has looked its context up (a replica stepping does so right before its next step; a turn
+placed there waits for that step anyway).
 
 Faults: an engine step that raises kills its replica (`EngineFailed`, naming the error). The turns that were
 in flight or queued there go back to the router and run on a live replica from their whole context (the KV
@@ -62,16 +67,19 @@ class Driver:
     """Owns one engine: applies queued commands between steps, reports ended turns to their waiters.
 
     `before_step()` runs before each engine step (CTB relieves KV pressure there), `on_turn_end(handle)` when a
-    turn ends, before the next step (CTB pins the KV there), `after_step(seconds)` after each step."""
+    turn ends, before the next step (CTB pins the KV there), `after_step(seconds)` after each step, `observe()`
+    right before each step starts: the last moment the engine may be read until `stepping` is false again."""
 
     def __init__(self, engine: Engine, before_step: Callable[[], None] = lambda: None,
                  on_turn_end: Callable[[int], None] = lambda h: None, step_span=None,
-                 after_step: Callable[[float], None] = lambda s: None):
+                 after_step: Callable[[float], None] = lambda s: None, observe: Callable[[], None] = lambda: None):
         self.engine = engine
         self.step_span = step_span or contextlib.nullcontext  # wraps each engine step (metrics)
         self.before_step = before_step
         self.on_turn_end = on_turn_end
         self.after_step = after_step
+        self.observe = observe
+        self.stepping = False  # an engine step runs in a worker thread: nothing else may read the engine
         self._commands: list = []
         self._waiters: dict[int, asyncio.Future] = {}
         self._wake = asyncio.Event()
@@ -148,9 +156,14 @@ class Driver:
         if not self.engine.has_work():
             return False
         self.before_step()
+        self.observe()
         t0 = time.perf_counter()
-        with self.step_span():
-            ended = await asyncio.to_thread(self.engine.step)
+        self.stepping = True
+        try:
+            with self.step_span():
+                ended = await asyncio.to_thread(self.engine.step)
+        finally:
+            self.stepping = False
         self.after_step(time.perf_counter() - t0)
         for h in ended:
             fut = self._waiters.pop(h, None)
@@ -179,7 +192,8 @@ class ServiceConfig:
 
 
 class EngineReplica:
-    """One engine of the service, its driver and what the router reads of it."""
+    """One engine of the service, its driver and what the router reads of it: the engine read now between its
+    steps, else what `observe` recorded right before the step that runs (module docstring)."""
 
     def __init__(self, replica_id: int, engine: Engine, window: int):
         self.id = replica_id
@@ -190,11 +204,47 @@ class EngineReplica:
         self.sessions: dict[Hashable, int] = {}  # session -> engine handle of its KV here
         self.in_turn: dict[Hashable, _Pending] = {}  # sessions whose turn runs here now
         self._steps = collections.deque(maxlen=window)  # (seconds, tokens) of its recent engine steps
+        self._kv: dict[int, int] = {}  # engine handle -> KV tokens, at `observe`
+        self.observe()
         self._last_tokens = self._processed()
         self._seen = (0, 0)  # prompt / cached prompt tokens at the router's last look
 
+    @property
+    def stepping(self) -> bool:
+        return self.driver is not None and self.driver.stepping
+
+    def _read(self) -> tuple[dict, dict, int]:
+        e = self.engine
+        return e.stats(), e.load(), e.free_kv_tokens()
+
+    def observe(self) -> None:
+        """Records what is read of the engine while its next step runs: its counters, load, free KV, and the KV of
+        the sessions it holds or runs (between steps only: the driver calls it right before each step)."""
+        self._observed = self._read()
+        handles = set(self.sessions.values()) | {p.handle for p in self.in_turn.values() if p.handle is not None}
+        self._kv = {}
+        for h in handles:
+            with contextlib.suppress(RequestError):
+                self._kv[h] = self.engine.num_kv_tokens(h)
+
+    def _numbers(self) -> tuple[dict, dict, int]:
+        return self._observed if self.stepping else self._read()
+
+    def kv_tokens(self, handle: int) -> int | None:
+        """Tokens of KV engine sequence `handle` holds (None: not there)."""
+        if self.stepping:
+            return self._kv.get(handle)
+        with contextlib.suppress(RequestError):
+            return self.engine.num_kv_tokens(handle)
+        return None
+
+    def look_up(self, pending: Sequence["_Pending"]) -> None:
+        """Each pending turn's context in this engine's prefix cache (`_Pending.prefix`; between steps only)."""
+        for p in pending:
+            p.prefix[self.id] = self.engine.cached_prefix_tokens(p.tokens)
+
     def _processed(self) -> int:
-        c = self.engine.stats()
+        c = self._numbers()[0]
         return c["prefill_tokens_computed"] + c["decode_tokens"]
 
     def record_step(self, seconds: float) -> None:
@@ -209,18 +259,18 @@ class EngineReplica:
         return sum(n for _, n in self._steps) / seconds if seconds > 0 else 0.0
 
     def stats(self) -> dict:
-        e, ps = self.engine, self.engine.config.page_size
-        c, load = e.stats(), e.load()
+        ps = self.engine.config.page_size
+        c, load, free = self._numbers()
         return dict(replica=self.id, alive=self.alive, running=load["running"], waiting=load["waiting"],
                     sessions=len(self.sessions), kv_used_tokens=c["pages_used"] * ps,
-                    kv_pinned_tokens=load["pinned_kv_tokens"], kv_free_tokens=e.free_kv_tokens(),
+                    kv_pinned_tokens=load["pinned_kv_tokens"], kv_free_tokens=free,
                     prefix_hit_tokens=c["prompt_tokens_cached"], prompt_tokens=c["prompt_tokens"],
                     prefix_hit_rate=c["prefix_hit_rate"], tokens_per_s=self.tokens_per_s,
                     queued_tokens=load["queued_tokens"], steps=c["steps"], version=c["version"])
 
-    def view(self, pending: Sequence["_Pending"], wants_cache: bool) -> routing.Replica:
-        """The router's view; `cached_tokens` for the sessions of `pending` (the prefix-cache lookups only for the
-        policies that read them)."""
+    def view(self, pending: Sequence["_Pending"], reads_prefix_cache: bool) -> routing.Replica:
+        """The router's view; `cached_tokens` for the sessions of `pending`: the KV of those held here, else (for
+        the policies that read them) their prefix-cache lookups here."""
         st = self.stats()
         # turns dispatched here whose command has not run yet count as waiting, their contexts as queued
         unstarted = [q for q in self.in_turn.values() if q.handle is None]
@@ -229,11 +279,11 @@ class EngineReplica:
         cached = {}
         for p in pending:
             h = self.sessions.get(p.session)
-            if h is not None:
-                with contextlib.suppress(RequestError):
-                    cached[p.session] = self.engine.num_kv_tokens(h)
-            if wants_cache and not cached.get(p.session):
-                cached[p.session] = self.engine.cached_prefix_tokens(p.tokens)
+            kv = self.kv_tokens(h) if h is not None else None
+            if kv is not None:
+                cached[p.session] = kv
+            if reads_prefix_cache and not cached.get(p.session):
+                cached[p.session] = p.prefix.get(self.id, 0)
         hits, prompts = st["prefix_hit_tokens"] - self._seen[1], st["prompt_tokens"] - self._seen[0]
         self._seen = (st["prompt_tokens"], st["prefix_hit_tokens"])
         return routing.Replica(self.id, running=st["running"], waiting=waiting,
@@ -258,6 +308,7 @@ class _Pending:
     rerouted: bool = False
     released: bool = False  # the session was released while this turn was queued or ran
     handle: int | None = None  # its engine sequence once started
+    prefix: dict[int, int] = dataclasses.field(default_factory=dict)  # replica id -> context tokens cached there
 
 
 class RolloutService:
@@ -268,6 +319,7 @@ class RolloutService:
         if not engines:
             raise ValueError("a rollout service needs at least one engine")
         self.config = config
+        self.policy = routing.POLICIES[config.policy]
         self.clock = clock
         self._ids = itertools.count()
         self.replicas: list[EngineReplica] = [EngineReplica(next(self._ids), e, config.tokens_per_s_window)
@@ -362,7 +414,13 @@ class RolloutService:
                 except Exception:  # noqa: BLE001 - a listener's error is not the engine's: the replica goes on
                     log.exception("a step listener of rollout replica %d raised; the replica goes on", rep.id)
             self._route()
-        rep.driver = Driver(rep.engine, lambda: before_step(rep), lambda h: on_turn_end(rep, h), step_span, after_step)
+
+        def observe(rep=rep):
+            rep.observe()
+            if self.policy.reads_prefix_cache:
+                rep.look_up(list(self._pending.values()))
+        rep.driver = Driver(rep.engine, lambda: before_step(rep), lambda h: on_turn_end(rep, h), step_span, after_step,
+                            observe)
         rep.task = asyncio.create_task(rep.driver.run())
         rep.task.add_done_callback(lambda t, rep=rep: self._driver_ended(rep))
         self._tick_task = getattr(self, "_tick_task", None) or asyncio.create_task(self._ticks())
@@ -460,7 +518,8 @@ class RolloutService:
     def end_session(self, session: Hashable, cls: str, kv_tokens: int) -> None:
         """The session ended (finished or failed): its KV is released and the router told (MISA-T)."""
         self.release(session)
-        self._ended.append(routing.SessionEnd(session, cls, kv_tokens))
+        if self.policy.class_quotas:  # the other policies learn nothing from it
+            self._ended.append(routing.SessionEnd(session, cls, kv_tokens))
         self._route(force=True)
 
     # ------------------------------------------------------------------ routing
@@ -478,8 +537,16 @@ class RolloutService:
             self._fail_pending()
             return
         pending = list(self._pending.values())
-        wants_cache = self.config.policy in ("cache_aware", "misa_t")
-        views = [r.view(pending, wants_cache) for r in live]
+        reads_cache = self.policy.reads_prefix_cache
+        if reads_cache:
+            for rep in live:
+                if not rep.stepping:
+                    rep.look_up(pending)
+            # offered once every live replica has looked it up (one stepping does right before its next step)
+            pending = [p for p in pending if all(rep.id in p.prefix for rep in live)]
+            if not pending and not self._ended:
+                return
+        views = [r.view(pending, reads_cache) for r in live]
         requests = [routing.Request(p.request_id, p.session, p.cls, p.turn,
                                     prompt_tokens=len(p.tokens), kv_replica=self._where.get(p.session),
                                     kv_pinned=p.resume is not None and p.session in self._where,

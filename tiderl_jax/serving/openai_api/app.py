@@ -305,7 +305,8 @@ def build_app(f: Frontend, metrics: ServerMetrics | None = None) -> FastAPI:
                     await _body(request, f.limits.max_body_bytes))
         f.check_model(req.model)
         sid = _session_id(request, bound, req)
-        plans = [f.plan_chat(req, sid)] if chat else f.plan_completion(req, sid)
+        cls = request.headers.get("x-workload-class")
+        plans = [f.plan_chat(req, sid, cls)] if chat else f.plan_completion(req, sid, cls)
         r = _Renderer(f, chat, req, f.request_id("chatcmpl" if chat else "cmpl"))
         release = f.admit(sum(p.n for p in plans))
         if req.stream:

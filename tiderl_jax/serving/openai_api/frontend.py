@@ -23,6 +23,10 @@ queue); one ended while its call waits or runs (its agent's episode over) answer
 
 Requests with `n > 1` or without a session are stateless: their KV is dropped when they end.
 
+**Workload class** (`X-Workload-Class`, or the `workload_class` extension): the class the router's class quotas
+(MISA-T) count the request in, one of `routing.classes` (400 naming it otherwise). A session keeps the class of
+its first request (another one later: 400); unnamed, a session is `agentic` and a stateless request `rlvr`.
+
 **Limits and errors** (`protocol.APIError`): a prompt plus `max_tokens` beyond the engine's context, or
 `max_tokens` above `ServerLimits.max_tokens`: 400; more than `max_inflight` completions at once (each request
 counts its prompts x n): 429 (admission holds it), a request larger than `max_inflight` alone: 400; while
@@ -54,10 +58,14 @@ from tiderl_jax.engine.sampling import RequestError, SamplingParams
 from tiderl_jax.model import chat
 from tiderl_jax.model.chat_template import ChatTemplate
 from tiderl_jax.model.tokenizer import Tokenizer
+from tiderl_jax.policies import routing
 from tiderl_jax.serving.openai_api import protocol as P
 from tiderl_jax.serving.service import EngineFailed, RolloutService
 
 log = logging.getLogger(__name__)
+
+# a request's workload class when it names none: a session is a multi-turn conversation, a stateless request one shot
+SESSION_CLASS, STATELESS_CLASS = "agentic", "rlvr"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,7 @@ class Session:
     id: str
     kind: str  # "chat" | "completion"
     traj: Trajectory
+    cls: str = SESSION_CLASS  # its workload class (the router's class quotas)
     messages: list = dataclasses.field(default_factory=list)  # chat.Message, as served
     keys: list = dataclasses.field(default_factory=list)  # protocol.message_key of each (what an echo must match)
     tools: str = "null"
@@ -104,6 +113,7 @@ class Plan:
     tools: list | None = None
     parse_tools: bool = False
     top_logprobs: int = 0
+    cls: str = STATELESS_CLASS  # its workload class (a session's request: the session's)
 
 
 @dataclasses.dataclass
@@ -217,7 +227,7 @@ class Frontend:
 
     # ------------------------------------------------------------------ sessions
 
-    def _session(self, sid: str | None, kind: str) -> Session | None:
+    def _session(self, sid: str | None, kind: str, cls: str | None = None) -> Session | None:
         if sid is None:
             return None
         self.expire()
@@ -225,6 +235,9 @@ class Frontend:
         if s is not None and s.kind != kind:
             raise P.APIError(400, f"session {sid!r} is a {s.kind} session; it cannot continue as {kind}",
                              param="session_id", code="session_kind")
+        if s is not None and cls is not None and s.cls != cls:  # the router counts a session in one class
+            raise P.APIError(400, f"session {sid!r} is of workload class {s.cls!r}; it cannot continue as {cls!r}",
+                             param="workload_class", code="session_class")
         if s is None:
             if len(self.sessions) >= self.limits.max_sessions:  # the least recently used idle one ends
                 idle = [x for x in self.sessions.values() if not x.lock.locked()]
@@ -233,14 +246,24 @@ class Frontend:
                                      f"{self.limits.max_sessions})", type="rate_limit_error",
                                      code="admission_held", headers={"Retry-After": "1"})
                 self.end_session(min(idle, key=lambda x: x.last_used).id)
-            s = self.sessions[sid] = Session(sid, kind, Trajectory(sid, "http", 0), last_used=self.clock())
+            s = self.sessions[sid] = Session(sid, kind, Trajectory(sid, "http", 0), cls=cls or SESSION_CLASS,
+                                             last_used=self.clock())
         return s
+
+    def _workload_class(self, header: str | None, req: P._Sampling) -> str | None:
+        """The class the request names (the header, else the body), checked; None when it names none."""
+        name = header or req.workload_class
+        known = routing.classes(self.service.config.router)
+        if name is not None and name not in known:
+            raise P.APIError(400, f"workload class {name!r} is not one of {list(known)}", param="workload_class",
+                             code="invalid_value")
+        return name
 
     def end_session(self, sid: str) -> Session | None:
         """Ends a session: its KV released, the router told; returns its record."""
         s = self.sessions.pop(sid, None)
         if s is not None:
-            self.service.end_session(sid, "agentic", len(s.traj.tokens))
+            self.service.end_session(sid, s.cls, len(s.traj.tokens))
         return s
 
     def expire(self) -> None:
@@ -292,16 +315,19 @@ class Frontend:
                              param=param, code="unsupported_parameter")
         return k
 
-    def plan_chat(self, req: P.ChatCompletionRequest, sid: str | None) -> Plan:
+    def plan_chat(self, req: P.ChatCompletionRequest, sid: str | None, workload_class: str | None = None) -> Plan:
+        """`workload_class`: the `X-Workload-Class` header (module docstring)."""
         req.unsupported()
+        cls = self._workload_class(workload_class, req)
         msgs = P.to_messages(req.messages)
         tools = P.tool_schemas(req.tools) if req.tool_choice != "none" else None
         keys = [P.message_key(m) for m in msgs]
         sampling, stops = self._sampling(req, req.stops())
         top = self._top_logprobs(req.num_top_logprobs, "top_logprobs")
-        session = self._session(sid, "chat") if req.n == 1 else None
+        session = self._session(sid, "chat", cls) if req.n == 1 else None
         plan = Plan([], sampling, req.n, stops, session, messages=msgs, keys=keys, tools=tools,
-                    parse_tools=bool(tools), top_logprobs=top)
+                    parse_tools=bool(tools), top_logprobs=top,
+                    cls=session.cls if session is not None else cls or STATELESS_CLASS)
         tools_key = json.dumps(tools, sort_keys=True)
         s = session
         if s is not None and s.keys and s.tools == tools_key and keys[:len(s.keys)] == s.keys and \
@@ -332,12 +358,16 @@ class Frontend:
         message, so the `tools` only turn on the parsing, unless `chatml_tools` lists them there."""
         return P.chatml_tools_system(msgs, tools) if tools and self.chatml_tools else msgs
 
-    def plan_completion(self, req: P.CompletionRequest, sid: str | None) -> list[Plan]:
+    def plan_completion(self, req: P.CompletionRequest, sid: str | None,
+                        workload_class: str | None = None) -> list[Plan]:
+        """`workload_class`: the `X-Workload-Class` header (module docstring)."""
         req.unsupported()
+        cls = self._workload_class(workload_class, req)
         prompts = req.prompts()
         sampling, stops = self._sampling(req, req.stops())
         top = self._top_logprobs(req.num_top_logprobs, "logprobs")
-        session = self._session(sid, "completion") if req.n == 1 and len(prompts) == 1 else None
+        session = self._session(sid, "completion", cls) if req.n == 1 and len(prompts) == 1 else None
+        cls = session.cls if session is not None else cls or STATELESS_CLASS
         plans = []
         vocab = self.service.replicas[0].engine.model_cfg.vocab_size
         for p in prompts:
@@ -348,7 +378,7 @@ class Frontend:
             else:
                 raise P.APIError(400, f"prompt: token ids must be a non-empty list of ints in [0, {vocab})",
                                  param="prompt", code="invalid_value")
-            plan = Plan(ids, sampling, req.n, stops, session, top_logprobs=top)
+            plan = Plan(ids, sampling, req.n, stops, session, top_logprobs=top, cls=cls)
             served = session.traj.tokens if session is not None else []
             if served and len(ids) > len(served) and ids[:len(served)] == served:
                 plan.delta = ids[len(served):]
@@ -407,7 +437,7 @@ class Frontend:
         t0 = time.perf_counter()
         turn = asyncio.ensure_future(self.service.turn(
             key, tokens=context, submit=submit, resume=resume if keep and delta is not None else None,
-            cls="agentic" if s is not None else "rlvr", turn=s.requests if s is not None else 0))
+            cls=plan.cls, turn=s.requests if s is not None else 0))
         try:
             out = await self._follow(turn, where, plan, index, on_progress)
         except (RequestError, ValueError) as e:
@@ -420,7 +450,7 @@ class Frontend:
             if not turn.done():
                 turn.cancel()
             if s is None:
-                self.service.end_session(key, "rlvr", len(context))
+                self.service.end_session(key, plan.cls, len(context))
             elif not turn.done() or turn.cancelled() or turn.exception() is not None:
                 self.service.release(key)  # a turn that did not end cleanly keeps no KV
         return self._to_choice(plan, index, out, time.perf_counter() - t0)

@@ -4,7 +4,8 @@ Requests are validated field by field: a known field of the wrong type or out of
 field (`param`); unknown fields are ignored (agents send many options this server has no use for), except
 the ones whose meaning it cannot honour, which are refused by name (`unsupported`). The RL extensions are
 plain fields: `return_token_ids` (prompt and completion token ids, behaviour log-probs and policy versions in
-the response) and `session_id` (also the `X-Session-ID` header, or `user`).
+the response), `session_id` (also the `X-Session-ID` header, or `user`) and `workload_class` (also the
+`X-Workload-Class` header: the class MISA-T's quotas count the request in; the front checks it).
 
 Tool calls: the request's `tools` (OpenAI function schemas) go into the prompt (the checkpoint's template
 renders them; the built-in ChatML lists them in the system message, as Qwen2.5's template does); the model's
@@ -107,6 +108,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     return_token_ids: bool = False
     session_id: str | None = None
+    workload_class: str | None = None
 
     def unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
