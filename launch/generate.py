@@ -87,7 +87,7 @@ def _prompts(tokenizer):
         try:
             with open(FLAGS.prompt_ids_json) as f:
                 ids = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
             _fail(f"--prompt_ids_json={FLAGS.prompt_ids_json}: {e}")
         if not isinstance(ids, list) or not all(isinstance(p, list) for p in ids):
             _fail(f"--prompt_ids_json={FLAGS.prompt_ids_json}: must be a JSON list of token-id lists")

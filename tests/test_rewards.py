@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tiderl_jax.agents.env import Task
-from tiderl_jax.data import builtin, rewards
+from tiderl_jax.data import answers, builtin, rewards
 from tiderl_jax.data.rewards import ImportPathError, RewardFailed, RewardFn
 
 
@@ -243,9 +243,9 @@ def test_math_reward_on_tricky_answers(solution, truth, expected):
 
 
 def test_last_boxed_balances_nested_braces():
-    assert builtin.last_boxed("a \\boxed{\\frac{a}{b}} b \\fbox{ {x} }") == "{x}"
-    assert builtin.last_boxed("\\boxed{1} and \\boxed{") == "1"
-    assert builtin.last_boxed("none") is None
+    assert answers.last_boxed("a \\boxed{\\frac{a}{b}} b \\fbox{ {x} }") == "{x}"
+    assert answers.last_boxed("\\boxed{1} and \\boxed{") == "1"
+    assert answers.last_boxed("none") is None
 
 
 ADD = "def add(a, b):\n    return a + b\n"

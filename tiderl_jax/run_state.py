@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 
-from tiderl_jax.model.config import ConfigError
+from tiderl_jax.model.config import ConfigError, read_json_object
 
 # keys a resumed run may change (how long to train, how much to evaluate, where progress and exports go)
 RESUMABLE_CHANGES = ("controller.steps", "eval.", "sft.log_every", "export_every_checkpoint")
@@ -87,10 +87,11 @@ class RunState:
         self.data = {}
         if os.path.exists(self.path):
             try:
-                with open(self.path) as f:
-                    self.data = json.load(f)
-            except (OSError, json.JSONDecodeError) as e:
+                self.data = read_json_object(self.path)
+            except OSError as e:
                 raise ConfigError(f"{self.path}: unreadable ({e}); delete the log directory to start over") from None
+            except ConfigError as e:  # truncated or corrupt
+                raise ConfigError(f"{e}; delete the log directory to start over") from None
 
     def check_same_run(self) -> None:
         """A resume must continue the same run: a different config in the same log directory is refused,

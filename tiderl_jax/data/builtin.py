@@ -43,24 +43,12 @@ from typing import Any
 
 from tiderl_jax.agents import sandbox
 from tiderl_jax.agents.tasks import extract_code
+from tiderl_jax.data.answers import GSM_ANSWER, last_boxed
+from tiderl_jax.data.packaged import reasoning_gym_reward  # reasoning-gym itself is imported only for its rows
 
 # ----------------------------------------------------------------------------------- math
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_GSM = re.compile(r"####\s*([^\n]+)")
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` / `\\fbox{...}` (nested braces balanced), or None."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth, i = 1, start
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            return text[start:i - 1].strip()
-    return None
 
 
 def extract_answer(text: str) -> str | None:
@@ -68,7 +56,7 @@ def extract_answer(text: str) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    gsm = _GSM.findall(text)
+    gsm = GSM_ANSWER.findall(text)
     if gsm:
         return gsm[-1].strip()
     numbers = _NUMBER.findall(text)
@@ -425,7 +413,6 @@ def reward_for(data_source: Any) -> str:
 def auto_reward(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict:
     which = reward_for(data_source)
     if which == "reasoning_gym":
-        from tiderl_jax.data.packaged import reasoning_gym_reward  # imports reasoning-gym only for its rows
         fn = reasoning_gym_reward
     else:
         fn = code_reward if which == "code" else math_reward

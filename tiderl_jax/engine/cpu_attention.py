@@ -108,13 +108,17 @@ def unavailable_reason() -> str | None:
     return _reason[-1] if _reason else None
 
 
-def paged_attention_cpu(q, k_pool, v_pool, page_table, starts):
-    """Same contract as `paged_attention_reference`; calls of more than MAX_QUERY_TOKENS tokens per row, and
-    other dtypes than float32, go to the `xla` implementation."""
-    from tiderl_jax.engine.paged_attention import paged_attention_xla
+def handles(q, k_pool, v_pool) -> bool:
+    """Whether the kernel takes this call: at most MAX_QUERY_TOKENS tokens per row, float32 (the `cpu` entry of
+    `paged_attention.PAGED_ATTENTION` sends the others to the `xla` implementation)."""
+    return q.shape[1] <= MAX_QUERY_TOKENS and all(x.dtype == jnp.float32 for x in (q, k_pool, v_pool))
 
-    if q.shape[1] > MAX_QUERY_TOKENS or not all(x.dtype == jnp.float32 for x in (q, k_pool, v_pool)):
-        return paged_attention_xla(q, k_pool, v_pool, page_table, starts)
+
+def paged_attention_cpu(q, k_pool, v_pool, page_table, starts):
+    """Same contract as `paged_attention_reference`, for the calls it `handles`."""
+    if not handles(q, k_pool, v_pool):
+        raise ValueError(f"the CPU paged-attention kernel takes float32 calls of at most {MAX_QUERY_TOKENS} "
+                         f"tokens per row, not {q.shape[1]} of {q.dtype}")
     if not available():
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {unavailable_reason()}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))

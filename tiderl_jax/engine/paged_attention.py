@@ -26,6 +26,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tiderl_jax.engine import cpu_attention
 from tiderl_jax.model.decoder import attend, einsum_f32
 
 TRASH_PAGE = 0
@@ -78,9 +79,11 @@ def _pallas_unavailable(*args):
         "or use attention_impl='xla'")
 
 
-def _cpu(*args):
-    from tiderl_jax.engine.cpu_attention import paged_attention_cpu
-    return paged_attention_cpu(*args)
+def _cpu(q, k_pool, v_pool, page_table, starts):
+    """The C++ kernel where it `handles` the call (decode, verification), else `xla` (a prefill chunk)."""
+    if cpu_attention.handles(q, k_pool, v_pool):
+        return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, page_table, starts)
+    return paged_attention_xla(q, k_pool, v_pool, page_table, starts)
 
 
 PAGED_ATTENTION: dict[str, Callable] = {
@@ -99,8 +102,7 @@ def resolve_impl(name: str, *, sharded: bool, dtype) -> str:
         return name
     if sharded or jax.default_backend() != "cpu" or jnp.dtype(dtype) != jnp.float32:
         return "xla"
-    from tiderl_jax.engine.cpu_attention import available
-    return "cpu" if available() else "xla"
+    return "cpu" if cpu_attention.available() else "xla"
 
 
 def register_paged_attention(name: str, fn: Callable) -> None:

@@ -33,6 +33,21 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
 
 
+def read_json_object(path, error: type[ConfigError] = ConfigError) -> dict:
+    """The JSON object in file `path`; `error` naming the file when it holds none (truncated, corrupt bytes that
+    are not UTF-8, garbage, another JSON value): a damaged input is a named error, never a traceback."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            value = json.load(f)
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path}: not valid JSON (a {type(value).__name__}, not an object)")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama 3 RoPE frequency scaling (the `rope_type: llama3` block of an HF config)."""

@@ -15,22 +15,20 @@ llama.cpp's converter permutes the rows of q_proj / k_proj (`LlamaModel.permute`
 reshaped [2, head_dim / 2] and swapped, so rotary pairs sit interleaved as GGML's RoPE wants them);
 `unpermute_qk` is its inverse and gives back the HF (rotate-half) layout.
 
-`export_hf(model, tokenizer, path)` writes what transformers reads: config.json, safetensors,
-tokenizer.json, tokenizer_config.json (with the chat template) and generation_config.json (the stop
-ids). Every bad input (no such file, not a GGUF, another architecture, an unsupported quant type, a
+`hf_io.export_hf(model, tokenizer, path)` writes what transformers reads from the loaded model (config.json,
+safetensors, tokenizer.json, tokenizer_config.json with the chat template, generation_config.json with the
+stop ids). Every bad input (no such file, not a GGUF, another architecture, an unsupported quant type, a
 missing or misshapen tensor) is a `CheckpointError` naming the file and the problem.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import pathlib
 from typing import Any
 
-import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -39,7 +37,7 @@ import tokenizers
 
 from tiderl_jax.model.config import ModelConfig, RopeScaling
 from tiderl_jax.model.decoder import Decoder, rope_inv_freq
-from tiderl_jax.model.hf_io import CheckpointError, hf_layouts, place_parameters, save_hf_checkpoint
+from tiderl_jax.model.hf_io import CheckpointError, hf_layouts, place_parameters
 from tiderl_jax.model.sharding import DEFAULT_RULES, Rules
 from tiderl_jax.model.tokenizer import Tokenizer
 
@@ -93,8 +91,9 @@ def open_gguf(path: str | os.PathLike):
         raise CheckpointError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, IndexError, KeyError, EOFError) as e:  # truncated or corrupt header
-        raise CheckpointError(f"{path}: corrupt GGUF file ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 - the reader fails as it may on a truncated or corrupt file
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({path.stat().st_size:,} bytes; "
+                              f"{type(e).__name__}: {e})") from None
     reader.path = path  # for error messages
     return reader
 
@@ -108,7 +107,10 @@ def _meta(reader, key: str, default: Any = _MISSING) -> Any:
         if default is _MISSING:
             raise CheckpointError(f"{reader.path}: GGUF metadata key {key!r} is missing")
         return default
-    return field.contents()
+    try:
+        return field.contents()
+    except (ValueError, IndexError) as e:  # a corrupt value (e.g. a string that is not UTF-8)
+        raise CheckpointError(f"{reader.path}: corrupt GGUF metadata {key!r} ({type(e).__name__}: {e})") from None
 
 
 def _tensor_map(reader) -> dict[str, Any]:
@@ -310,7 +312,10 @@ def read_gguf_tokenizer(reader) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges", [])]
     types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    try:
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception on bad merges
+        raise CheckpointError(f"{src}: corrupt GGUF tokenizer ({e})") from None
     tok.pre_tokenizer = pre_tok
     tok.decoder = decoders.ByteLevel()
     # 3 = CONTROL (special), 4 = USER_DEFINED (added, not special) in llama.cpp's token types
@@ -351,18 +356,3 @@ def load_gguf(path: str | os.PathLike, *, mesh: Mesh | None = None, rules: Rules
         raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                               f"vocabulary is {cfg.vocab_size}")
     return load_gguf_model(reader, cfg, mesh=mesh, rules=rules), tokenizer
-
-
-def export_hf(model: Decoder, tokenizer: Tokenizer, path: str | os.PathLike, *, dtype: str | None = None) -> None:
-    """`model` and `tokenizer` as an HF checkpoint that transformers loads (`AutoModelForCausalLM`,
-    `AutoTokenizer` with its chat template) and `launch/generate.py --checkpoint=path` too."""
-    path = pathlib.Path(path)
-    save_hf_checkpoint(model, path, dtype=dtype)
-    if jax.process_index() != 0:
-        return
-    tokenizer.save_pretrained(path)
-    gen = {"eos_token_id": list(tokenizer.stop_ids) if len(tokenizer.stop_ids) > 1 else tokenizer.eos_id,
-           "pad_token_id": tokenizer.pad_id}
-    if tokenizer.bos_id is not None:
-        gen["bos_token_id"] = tokenizer.bos_id
-    (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

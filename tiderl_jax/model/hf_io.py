@@ -37,9 +37,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from tiderl_jax.model.config import ConfigError, ModelConfig
+from tiderl_jax.model.config import ConfigError, ModelConfig, read_json_object
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import ActivationSharding, DEFAULT_RULES, Rules, state_shardings
+from tiderl_jax.model.tokenizer import Tokenizer
 
 
 class CheckpointError(ConfigError):
@@ -135,41 +136,55 @@ def hf_layouts(cfg: ModelConfig) -> dict[tuple, _Layout]:
 
 
 def _map_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """Memory-maps every tensor of one .safetensors file (header: u64 length, JSON, then data)."""
+    """Memory-maps every tensor of one .safetensors file (header: u64 length, JSON, then data). A truncated
+    or corrupt file is a CheckpointError naming it (checked here: a memory map past the end fails later,
+    obscurely, or reads zeros)."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise CheckpointError(f"{path}: not a safetensors file (shorter than its header)")
         (n,) = struct.unpack("<Q", raw)
-        if n > os.path.getsize(path):
-            raise CheckpointError(f"{path}: corrupt safetensors header (length {n})")
+        if 8 + n > size:
+            raise CheckpointError(f"{path}: truncated or corrupt (its header length says at least {8 + n:,} "
+                                  f"bytes, the file has {size:,})")
         try:
             header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # not JSON, or not UTF-8
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
-    tensors = {}
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
+    entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        dtype = _ST_DTYPES[info["dtype"]]
-        shape = tuple(info["shape"])
-        begin, end = info["data_offsets"]
-        if end - begin != int(np.prod(shape)) * dtype.itemsize:
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            valid = all(isinstance(x, int) and x >= 0 for x in (*shape, begin, end)) and begin <= end
+        except (TypeError, KeyError, ValueError):
+            valid = False
+        if not valid:
+            raise CheckpointError(f"{path}: corrupt safetensors header (tensor {name}: {str(info)[:80]})")
+        if dtype_name not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype_name}")
+        if end - begin != int(np.prod(shape)) * _ST_DTYPES[dtype_name].itemsize:
             raise CheckpointError(f"{path}: tensor {name} byte range does not match shape {shape}")
-        if end == begin:
-            tensors[name] = np.zeros(shape, dtype)
-        else:
-            tensors[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + begin, shape=shape)
-    return tensors
+        entries[name] = (_ST_DTYPES[dtype_name], shape, begin, end)
+    expected = 8 + n + max((end for *_, end in entries.values()), default=0)
+    if expected > size:
+        raise CheckpointError(f"{path}: truncated (header says {expected:,} bytes, file has {size:,})")
+    return {name: np.zeros(shape, dtype) if end == begin else
+            np.memmap(path, dtype=dtype, mode="r", offset=8 + n + begin, shape=shape)
+            for name, (dtype, shape, begin, end) in entries.items()}
 
 
 def _map_checkpoint(path: pathlib.Path) -> dict[str, np.ndarray]:
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_object(index, CheckpointError).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: has no \"weight_map\" object")
         tensors: dict[str, np.ndarray] = {}
         for file in sorted(set(weight_map.values())):
             if not (path / file).exists():
@@ -192,14 +207,15 @@ def read_hf_config(path: str | os.PathLike, *, dtype: str = "float32",
     cfg_path = pathlib.Path(path) / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{path}: no config.json")
-    try:
-        hf = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    hf = read_json_object(cfg_path, CheckpointError)
     try:
         return ModelConfig.from_hf(hf, dtype=dtype, param_dtype=param_dtype, source=str(cfg_path))
     except KeyError as e:
         raise CheckpointError(f"{cfg_path}: required key {e} is missing") from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a value of another type (a corrupt or hand-edited file)
+        raise CheckpointError(f"{cfg_path}: a value of the wrong type ({type(e).__name__}: {e})") from None
 
 
 # ------------------------------------------------------------------------------------- loading
@@ -347,14 +363,27 @@ def save_hf_checkpoint(model: Decoder, path: str | os.PathLike, *,
     return names
 
 
+def export_hf(model: Decoder, tokenizer: Tokenizer, path: str | os.PathLike, *, dtype: str | None = None) -> None:
+    """`model` and `tokenizer` as an HF checkpoint that transformers loads (`AutoModelForCausalLM`,
+    `AutoTokenizer` with its chat template) and `launch/generate.py --checkpoint=path` too."""
+    path = pathlib.Path(path)
+    save_hf_checkpoint(model, path, dtype=dtype)
+    if jax.process_index() != 0:
+        return
+    tokenizer.save_pretrained(path)
+    gen = {"eos_token_id": list(tokenizer.stop_ids) if len(tokenizer.stop_ids) > 1 else tokenizer.eos_id,
+           "pad_token_id": tokenizer.pad_id}
+    if tokenizer.bos_id is not None:
+        gen["bos_token_id"] = tokenizer.bos_id
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
 def export_policy(graphdef, params, tokenizer, path: str | os.PathLike, *, meta: dict | None = None) -> int:
     """A policy (`nnx.split` halves: the graph and its weights) as an HF checkpoint with its tokenizer:
     config.json, safetensors, tokenizer.json, tokenizer_config.json (special tokens, chat template) and
-    generation_config.json (stop ids) as `gguf_io.export_hf` writes them (and `export.json` holding `meta`,
+    generation_config.json (stop ids) as `export_hf` writes them (and `export.json` holding `meta`,
     when given), loadable by `load_hf_checkpoint`, `Tokenizer.from_checkpoint`, `launch/generate.py
     --checkpoint=path` and transformers. Returns the bytes of the files in `path`."""
-    from tiderl_jax.model.gguf_io import export_hf  # it imports this module
-
     path = pathlib.Path(path)
     export_hf(nnx.merge(graphdef, params), tokenizer, path)
     if jax.process_index() != 0:

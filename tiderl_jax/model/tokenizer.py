@@ -20,7 +20,7 @@ from typing import Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from tiderl_jax.model.config import ConfigError
+from tiderl_jax.model.config import ConfigError, read_json_object
 
 # The placeholder an image patch stands on (`vision.py`): Qwen2.5 / Qwen3 tokenizers carry it too.
 IMAGE_TOKEN = "<|image_pad|>"
@@ -106,13 +106,13 @@ class Tokenizer:
         base = cls.from_file(path, eos_token=_token_text(config.get("eos_token")) or "<|im_end|>")
         tok = base._tok
         generation = _read_json(os.path.join(path, "generation_config.json")) or {}
-        stop = generation.get("eos_token_id", [])
-        stop = [stop] if isinstance(stop, int) else list(stop or [])
+        stop = generation.get("eos_token_id")
+        stop = [] if stop is None else stop if isinstance(stop, list) else [stop]
         stop_tokens = []
         for i in stop:
-            token = tok.id_to_token(int(i))
+            token = tok.id_to_token(i) if isinstance(i, int) and i >= 0 else None
             if token is None:
-                raise ConfigError(f"{path}/generation_config.json: eos_token_id {i} is not in the vocabulary")
+                raise ConfigError(f"{path}/generation_config.json: eos_token_id {i!r} is not in the vocabulary")
             stop_tokens.append(token)
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
@@ -174,18 +174,15 @@ def _token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
-def _read_json(path: str):
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+def _read_json(path: str) -> dict | None:
+    return read_json_object(path) if os.path.exists(path) else None
 
 
 def _read_text(path: str) -> str | None:
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
