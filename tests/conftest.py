@@ -10,11 +10,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # classic (not the MLIR) fusion emitters and one LLVM module per program (the split compiles in parallel,
 # which two busy cores cannot use) halved such a test. The semantics are XLA's either way (no fast-math at
 # any level); `make run` and the benchmarks compile with XLA's defaults. A flag already in XLA_FLAGS wins.
-_TEST_XLA_FLAGS = {"xla_force_host_platform_device_count": "8", "xla_backend_optimization_level": "0",
+_TEST_XLA_FLAGS = {"xla_backend_optimization_level": "0",
                    "xla_cpu_use_fusion_emitters": "false", "xla_cpu_parallel_codegen_split_count": "1"}
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_flags] + [f"--{k}={v}" for k, v in _TEST_XLA_FLAGS.items()
                                                 if k not in _flags]).strip()
+# 8 faked CPU devices, as JAX's own setting rather than an XLA flag: a main job run as a subprocess applies its
+# config's count over it (`cpu_devices`, tiderl_jax/config.py), as `make run` does; other programs keep 8
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -32,13 +32,14 @@ def _config(**overrides):
 
 def _error(**overrides) -> str:
     with pytest.raises(ConfigError) as e:
-        config_lib.check_main_job(_config(**overrides), num_devices=8)
+        c = _config(**overrides)
+        config_lib.check_main_job(c, num_devices=c.cpu_devices)
     return str(e.value)
 
 
 def test_the_default_config_passes_and_every_section_option_is_settable():
     c = _config()
-    config_lib.check_main_job(c, num_devices=8)
+    config_lib.check_main_job(c, num_devices=c.cpu_devices)
     controller, trainer, engine, rollout, warm = config_lib.rl_configs(_config(**{
         "engine.prefill_policy": "ppas", "controller.env_workers": True, "controller.engine_workers": False,
         "rollout.readiness_aware": True, "rollout.weights.is_active": 5.0, "trainer.b2": 0.99,
@@ -97,7 +98,7 @@ def test_tasks_in_a_config_file_as_one_string_are_kinds():
     with c.unlocked():
         del c["tasks"]
         c.tasks = "calculator, lookup"  # a config file's own get_config may say it so
-    config_lib.check_main_job(c, num_devices=8)
+    config_lib.check_main_job(c, num_devices=c.cpu_devices)
     assert tuple(c.tasks) == ("calculator", "lookup")
     assert "unknown kind(s) ['lokup']" in _error(tasks=("calculator", "lokup"))
 
@@ -150,7 +151,8 @@ def test_a_requested_platform_that_is_missing_is_named_with_its_install_line():
     ("engine.max_seq_len", 512, "rollout.max_context=1024 exceeds engine.max_seq_len=512"),
     ("model.max_position_embeddings", 256, "exceeds the model's max_position_embeddings=256"),
     ("rollout.max_new_tokens", 2048, "rollout.max_new_tokens=2048 must be below rollout.max_context=1024"),
-    ("controller.rollout_groups", 3, "= 10 devices, but there are 8"),
+    ("controller.rollout_groups", 3, "= 5 devices, but there are 4"),
+    ("controller.mode", "sync", "controller.eta=1 with mode 'sync': synchronous training has no staleness"),
     ("warm_start", "pretrained", "warm_start='pretrained' is not one of"),
     ("checkpoint", "/nonexistent/ckpt", "checkpoint='/nonexistent/ckpt': no such directory"),
     ("controller.mode", "fast", "controller.mode='fast' is not one of"),
@@ -205,7 +207,8 @@ def test_a_bad_value_for_a_key_is_one_line_naming_it(tmp_path):
                     "--config.controller.steps=ten: int expected")
     _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.eval.tasks=16"),
                     "eval.during_tasks=32 must be >= 1 and <= eval.tasks=16")
-    assert (config_lib.check_main_job(_config(**{"eval.tasks": 16, "eval.every": 0}), num_devices=8)
+    c = _config(**{"eval.tasks": 16, "eval.every": 0})
+    assert (config_lib.check_main_job(c, num_devices=c.cpu_devices)
             is None)  # no evaluation during RL: eval.during_tasks is not used
     _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.tasks=calculator,lokup"),
                     "tasks: unknown kind(s) ['lokup']")
@@ -222,7 +225,7 @@ def _finished_run(logdir, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     cfg = _parsed(f"--config.logdir={logdir}", *RUN)
-    config_lib.check_main_job(cfg, num_devices=8)
+    config_lib.check_main_job(cfg, num_devices=cfg.cpu_devices)
     heldout = {name: {"task_ids": list("abcd"), "kinds": ["calculator", "lookup"] * 2, "rewards": [1.0, 0, 0, 0],
                       "turns": [1] * 4, "end_reasons": ["answered"] * 4} for name in ("greedy", "sampled")}
     outputs = {"summary.json": b'{"steps": 3}', "timeline.png": b"png 1", "learning.png": b"png 2"}

@@ -100,10 +100,10 @@ def test_a_task_s_turn_limits_bound_its_rollout():
 
 def test_the_main_job_s_mixture_section_builds_the_stream():
     c = _config()
-    config_lib.check_main_job(c, num_devices=8)
+    config_lib.check_main_job(c, num_devices=c.cpu_devices)
     assert config_lib.build_mixture(c) is None  # off by default
     c = _config(**{"mixture.target": PAPER, "mixture.rlvr.max_new_tokens": 96})
-    config_lib.check_main_job(c, num_devices=8)
+    config_lib.check_main_job(c, num_devices=c.cpu_devices)
     mixed = config_lib.build_mixture(c)
     tasks = [mixed(i) for i in range(30)]
     kinds = {cls: {t.kind for t in tasks if t.data["workload_class"] == cls} for cls in mixed.target}
@@ -128,7 +128,8 @@ def test_the_main_job_s_mixture_section_builds_the_stream():
 ])
 def test_bad_mixture_values_are_named(overrides, needle):
     with pytest.raises(ConfigError) as e:
-        config_lib.check_main_job(_config(**overrides), num_devices=8)
+        c = _config(**overrides)
+        config_lib.check_main_job(c, num_devices=c.cpu_devices)
     assert needle in str(e.value)
 
 

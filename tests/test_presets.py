@@ -41,7 +41,7 @@ def test_every_preset_has_the_main_jobs_sections_and_passes_its_checks(name):
         limit = config_lib.checkpoint_config(c.checkpoint).max_position_embeddings
         c.rollout.max_context = min(c.rollout.max_context, limit)
         c.rollout.max_new_tokens = min(c.rollout.max_new_tokens, c.rollout.max_context // 2)
-    config_lib.check_main_job(c, num_devices=8)
+    config_lib.check_main_job(c, num_devices=c.cpu_devices or 8)  # a CPU preset's own count, else 8 accelerators
     controller, trainer, engine, rollout, _ = config_lib.rl_configs(c)
     assert controller.steps >= 1 and engine.max_seq_len >= rollout.max_context
 

@@ -54,7 +54,7 @@ def staleness_config(mode: str, eta: int | None = None) -> StalenessConfig:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     eta = DEFAULT_ETA[mode] if eta is None else eta
     if mode == "sync" and eta != 0:
-        raise ValueError(f"eta={eta} with mode 'sync': synchronous training is eta=0; use mode 'async'")
+        raise ValueError(f"eta={eta} with mode 'sync': synchronous training has no staleness (set eta to 0, or use mode 'async')")
     if mode == "async" and eta < 1:
         raise ValueError(f"eta={eta} with mode 'async': asynchronous needs eta >= 1; use mode 'sync'")
     _check_nonnegative(eta=eta)

@@ -95,6 +95,10 @@ class ControllerConfig:
                               "modes async and tiderl (sync shares one mesh)")
         if not 0 < self.bidirl_scaling <= 1:
             raise ConfigError(f"controller.bidirl_scaling={self.bidirl_scaling} must be in (0, 1]")
+        try:  # the mode's staleness rule, named before anything runs (not when the controller starts)
+            self.staleness
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if not self.task_kinds or any(k not in task_lib.GENERATORS for k in self.task_kinds):
             raise ConfigError(f"controller.task_kinds={self.task_kinds} must be non-empty, from "
                               f"{sorted(task_lib.GENERATORS)}")
