@@ -10,10 +10,10 @@ Each process count runs the main job as `python launch/local_cluster.py -n N -- 
 N = 1, so the launch path is the same), with its own fresh `--config.logdir` in a temporary directory, the
 runs one after the other. The configuration is the same for every N and divides evenly over 1, 2 and 4
 processes (`CONFIG` below: 4 rollout and 4 train device groups of 1 device, 4 groups of 2 samples per step,
-eta=0 so that every process count trains the same batches, ERS off, short environment latency, 2 held-out
-tasks greedy only, no evaluation during RL); `controller.steps` is 8 (4 with `--quick`). The persistent
-compile cache (JAX_COMPILATION_CACHE_DIR) is the environment's (benchmarks/_env.py), so warm runs load their
-programs. The first `SKIP` steps of each run (their compiles) are left out of every mean.
+eta=0 so that every process count trains the same batches, ERS and dynamic sampling off, short environment
+latency, 2 held-out tasks greedy only, no evaluation during RL); `controller.steps` is 8 (4 with `--quick`). The
+persistent compile cache (JAX_COMPILATION_CACHE_DIR) is the environment's (benchmarks/_env.py), so warm runs
+load their programs. The first `SKIP` steps of each run (their compiles) are left out of every mean.
 
 **This measures overhead, not speed-up.** Here the processes share the machine's two cores (and the 8 devices
 are faked on them), so N processes do the same arithmetic as one, plus what being N processes costs: the
@@ -68,7 +68,10 @@ CONFIG = ("--config.controller.mode=tiderl", "--config.controller.eta=0", "--con
           "--config.controller.max_concurrent=8", "--config.trainer.warmup_steps=0", "--config.rollout.max_turns=2",
           "--config.rollout.max_new_tokens=96", "--config.latency.median_s=0.01", "--config.latency.sigma=0.0",
           "--config.eval.tasks=2", "--config.eval.sampled=false", "--config.eval.every=0",
-          "--config.controller.ers=false")
+          "--config.controller.ers=false",
+          # dynamic sampling off (the config's default since it is on): its drops made the step times random,
+          # and a process whose share drew only all-equal groups stopped the 2-process run
+          "--config.controller.filter_groups=false")
 
 
 def param_bytes() -> int:

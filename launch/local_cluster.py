@@ -59,6 +59,7 @@ def process_env(base: dict, index: int, a) -> dict:
         per = a.devices // a.num_processes
         flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={per}".strip()
+        env.pop("JAX_NUM_CPU_DEVICES", None)  # JAX's own setting would win over the flag
         env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -196,7 +196,8 @@ def _evaluation_during_rl(controller, tokenizer, cfg, data=None):
         cluster = distributed.cluster()  # each process its share (`_evaluate`)
         mine = [during[i] for i in distributed.shard_indices(len(during), cluster.index, cluster.count)]
         trajectories = await controller.backend.run_tasks(mine, temperature=0.0, seed=cfg.seed + 7)
-        trajectories = distributed.merge_shards(cluster.allgather(f"held-out during RL at step {step}", trajectories))
+        trajectories = distributed.merge_shards(await cluster.allgather_async(f"held-out during RL at step {step}",
+                                                                              trajectories))
         if cluster.primary:
             evaluate.save_readable(trajectories, tokenizer,
                                    os.path.join(cfg.logdir, "rollouts", f"during_rl_step_{step}.jsonl"))

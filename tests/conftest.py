@@ -16,8 +16,11 @@ _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_flags] + [f"--{k}={v}" for k, v in _TEST_XLA_FLAGS.items()
                                                 if k not in _flags]).strip()
 # 8 faked CPU devices, as JAX's own setting rather than an XLA flag: a main job run as a subprocess applies its
-# config's count over it (`cpu_devices`, tiderl_jax/config.py), as `make run` does; other programs keep 8
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+# config's count over it (`cpu_devices`, tiderl_jax/config.py), as `make run` does; other programs keep 8. It wins
+# over an XLA_FLAGS device count, so a child given its own count (launch/local_cluster.py, engine workers) drops it.
+# A count already in XLA_FLAGS here stays the tests' count.
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

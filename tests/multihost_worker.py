@@ -4,6 +4,8 @@
 
 - `exchange`: the control messages (allgather, broadcast, a large object in chunks), each process sending
   its own value; prints what it got as JSON.
+- `late`: process 1 reaches an exchange 2 s late; process 0 awaits it (`allgather_async`) while another task of
+  its event loop ticks; prints the ticks seen during the wait.
 - `decisions`: the real controller on the simulated backend, one share per process, ERS on; process 1's own
   ERS rule is replaced by one that never moves, so every move it makes is process 0's decision; prints the moves.
 - `bidirl`: the real controller on the JAX backend (a tiny model, one replica per device), BiDiRL with every borrow
@@ -33,6 +35,24 @@ def exchange(cluster) -> dict:
     return dict(gathered=gathered, decided=decided, big=[(len(b), b[0]) for b in big],
                 shards=distributed.merge_shards(cluster.allgather(
                     "shards", [f"item{i}" for i in distributed.shard_indices(7, cluster.index, cluster.count)])))
+
+
+def late(cluster) -> dict:
+    import asyncio
+
+    cluster.barrier("started")
+    if cluster.index == 1:
+        time.sleep(2.0)
+        return dict(gathered=cluster.allgather("late", cluster.index))
+
+    from ticks import ticking  # tests/, this script's directory
+
+    async def waiting():
+        async with ticking(0.05) as ticks:
+            t0 = time.perf_counter()
+            gathered = await cluster.allgather_async("late", cluster.index)
+            return dict(gathered=gathered, waited_s=time.perf_counter() - t0, ticks=ticks[0])
+    return asyncio.run(waiting())
 
 
 def decisions(cluster, logdir: str) -> dict:
@@ -118,6 +138,8 @@ def main(argv):
     cluster.start_watchdog()
     if mode == "exchange":
         out = exchange(cluster)
+    elif mode == "late":
+        out = late(cluster)
     elif mode == "decisions":
         out = decisions(cluster, os.path.join(argv[2], f"p{cluster.index}"))
     elif mode == "bidirl":

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from tiderl_jax.agents import tasks as task_lib
-from tiderl_jax.runtime import controller as controller_lib
 from tiderl_jax.agents.env import LatencyModel, StepResult
 from tiderl_jax.agents.rollout import RolloutConfig
 from tiderl_jax.engine.engine import EngineConfig
@@ -20,6 +19,7 @@ from tiderl_jax.rl.losses import LossConfig
 from tiderl_jax.rl.trainer import TrainerConfig, lr_schedule
 from tiderl_jax.runtime import health
 from tiderl_jax.runtime.controller import Controller, ControllerConfig
+from tiderl_jax.runtime.group import Group
 from tiderl_jax.runtime.metrics import tensorboard_tag
 
 TOK = Tokenizer.builtin()
@@ -167,8 +167,8 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     # stopped while an update was being assembled, and before a resume had admitted its in-flight groups again:
     # the update's groups go back to the front of the buffer, the groups not yet admitted stay in flight
     task = task_lib.make_task("calculator", 0, "train", 0)
-    resumed.taking = [controller_lib._Group(100, task)]
-    resumed.resume_groups = [controller_lib._Group(101, task, dropped=[1])]
+    resumed.taking = [Group(100, task)]
+    resumed.resume_groups = [Group(101, task, dropped=[1])]
     meta = resumed.checkpoint_meta()
     assert [g["gid"] for g in meta["ready"]] == [100] + [g.gid for g in resumed.ready]
     assert meta["in_flight"][-1]["gid"] == 101 and meta["in_flight"][-1]["dropped"] == [1]

@@ -1,23 +1,28 @@
 """Multi-host runs on JAX's multi-controller runtime, as several processes on this machine (launch/local_cluster.py:
-the 8 faked devices split between them, gloo on 127.0.0.1): the control messages, process 0's decisions applied
-everywhere, a dead process named, the main job on 2 and 4 processes training exactly as on one (sync and tiderl),
-and a process killed mid-run with the same command resuming from the checkpoint the processes wrote."""
+the 8 faked devices split between them, gloo on 127.0.0.1): the control messages (their waits off the event
+loop, in call order), process 0's decisions applied everywhere, a dead process named, the main job on 2 and 4
+processes training exactly as on one (sync and tiderl), and a process killed mid-run with the same command
+resuming from the checkpoint the processes wrote."""
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 
 import pytest
 from conftest import ROOT
+from ticks import ticking
 
 from tiderl_jax import distributed
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.runtime.controller_config import ControllerConfig
 from tiderl_jax.runtime.multihost import local_config
+from tiderl_jax.sim import clock
 
 # the main job's smallest RL run that divides over 1, 2 and 4 processes; eta = 0 makes each update's groups
 # those admitted for its version (with eta >= 1 they are the first to arrive: timing, even on one process)
@@ -101,6 +106,89 @@ def test_local_cluster_refuses_what_it_cannot_split():
     assert out.returncode == 2 and "8 devices do not split evenly over 3 processes" in out.stderr
 
 
+class _Store:
+    """The coordinator's key-value store in memory, shared by the `Cluster`s of one test (each a process)."""
+
+    def __init__(self):
+        self.values, self.order, self.cond = {}, [], threading.Condition()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.cond:
+            self.values[key] = value
+            self.order.append(key)
+            self.cond.notify_all()
+
+    key_value_set_bytes = key_value_set
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.values, timeout_ms / 1000):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+            return self.values[key]
+
+    blocking_key_value_get_bytes = blocking_key_value_get
+
+    def key_value_delete(self, key):
+        with self.cond:
+            for k in [k for k in self.values if k == key or k.startswith(key + "/")]:
+                del self.values[k]
+
+
+def _two_processes(monkeypatch, timeout_s: float = 30.0) -> tuple[_Store, distributed.Cluster, distributed.Cluster]:
+    store = _Store()
+    monkeypatch.setattr(distributed.Cluster, "_client", property(lambda _: store))
+    spec = distributed.ClusterSpec(exchange_timeout_s=timeout_s)
+    return store, distributed.Cluster(spec, 0, 2), distributed.Cluster(spec, 1, 2)
+
+
+def _late(seconds: float, exchanges) -> threading.Thread:
+    """Process 1: its exchanges (blocking, in order) after `seconds`."""
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), [e() for e in exchanges]), daemon=True)
+    thread.start()
+    return thread
+
+
+async def _waiting_with_a_ticker(exchange, tick_s: float):
+    """(`exchange`'s result, the ticks of another task during the wait, the loop's seconds it took)."""
+    loop = asyncio.get_running_loop()
+    async with ticking(tick_s) as ticks:
+        t0 = loop.time()
+        out = await exchange
+        return out, ticks[0], loop.time() - t0
+
+
+def test_the_event_loop_runs_on_while_a_process_waits_for_a_slower_one(monkeypatch):
+    store, c0, c1 = _two_processes(monkeypatch)
+    late = _late(0.5, [lambda: c1.allgather("batch", "p1"), lambda: c1.broadcast("decision"),
+                       lambda: c1.allgather("counts", 1)])
+    out, ticks, took = asyncio.run(_waiting_with_a_ticker(c0.allgather_async("batch", "p0"), 0.01))
+    assert out == ["p0", "p1"] and took >= 0.3
+    assert ticks >= 10, ticks  # a blocking wait: 0
+    assert c0.exchange_s >= 0.3  # the wait counted as exchange time, as before
+
+    async def in_call_order():  # started together: numbered and run in the order of the calls
+        return await asyncio.gather(c0.broadcast_async("decision", "p0's"), c0.allgather_async("counts", 0))
+    assert asyncio.run(in_call_order()) == ["p0's", [0, 1]]
+    late.join(5)
+    mine = [k.split("/")[1] for k in store.order if k.endswith("/n") and (k.endswith("/0/n") or "/b" in k)]
+    assert mine == ["x1", "b2", "x3"]
+
+
+def test_the_simulators_clock_stands_still_during_an_exchange(monkeypatch):
+    # the exchange runs as an executor job of the virtual-time loop: its timers do not race the real wait
+    _, c0, c1 = _two_processes(monkeypatch)
+    late = _late(0.3, [lambda: c1.allgather("step", 1)])
+    out, ticks, took = clock.run(_waiting_with_a_ticker(c0.allgather_async("step", 0), 1.0))
+    assert out == [0, 1] and ticks == 0 and took == 0.0
+    late.join(5)
+
+
+def test_a_failed_exchange_names_the_process_that_did_not_answer(monkeypatch):
+    _, c0, _ = _two_processes(monkeypatch, timeout_s=0.2)  # process 1 never comes
+    with pytest.raises(distributed.ClusterError, match="process 1 of 2 did not reach 'batch' within 0 s"):
+        asyncio.run(c0.allgather_async("batch", 0))
+
+
 # ---------------------------------------------------------------------- the runtime, several processes
 
 
@@ -115,6 +203,17 @@ def test_every_process_gets_every_value_and_process_0s_decision():
         assert r["decided"] == "process 0's choice"
         assert r["big"] == [[5 << 20, 0], [5 << 20, 1]]  # in chunks of the key-value store
         assert r["shards"] == [f"item{i}" for i in range(7)]
+
+
+@pytest.mark.e2e
+def test_a_process_waiting_at_an_exchange_keeps_its_event_loop_running():
+    # process 1 reaches the exchange 2 s late; process 0's other task ticks (every 50 ms) while it waits
+    out = _cluster(2, "tests/multihost_worker.py", "late")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = _results(out.stdout)
+    assert results[0]["gathered"] == results[1]["gathered"] == [0, 1]
+    assert results[0]["waited_s"] > 1.5, results[0]
+    assert results[0]["ticks"] >= 10, results[0]  # a wait that blocks the loop: 0
 
 
 @pytest.mark.e2e

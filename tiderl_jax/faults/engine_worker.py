@@ -172,6 +172,7 @@ def _child_environment(overrides: Mapping[str, str]) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = flags.strip()
+    os.environ.pop("JAX_NUM_CPU_DEVICES", None)  # one CPU device (JAX's own setting, as the tests set it, too)
     os.environ.update(overrides)
 
 

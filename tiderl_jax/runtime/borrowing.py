@@ -28,12 +28,13 @@ class Borrowing:
             return None
         return sum(n for _, n in pts[1:]) / (pts[-1][0] - pts[0][0])
 
-    async def _borrow(self, what: str, signals: bidirl.BorrowSignals | None):
+    async def _borrow(self, what: str, signals: bidirl.BorrowSignals | None, blocking: bool = False):
         """Asks `bidirl.decide_borrow` (None signals: nothing to borrow); on yes, the backend switches the devices
         over. Returns what `_return_borrowed` needs, or None. Across processes it is process 0's decision from
-        its signals (every process calls this at the same point of the step), and every process lends."""
-        d = self._decided(f"BiDiRL {what} at step {self.step + 1}",
-                          lambda: None if signals is None else bidirl.decide_borrow(signals))
+        its signals (every process calls this at the same point of the step), and every process lends
+        (`blocking`: `Multihost._decided`'s)."""
+        d = await self._decided(f"BiDiRL {what} at step {self.step + 1}",
+                                lambda: None if signals is None else bidirl.decide_borrow(signals), blocking)
         if d is None:
             return None
         if not d.borrow:
@@ -88,14 +89,16 @@ class Borrowing:
         remaining = self._timings.get("train_own", 0.0)
         can = self._producer_blocked and remaining > 0 and self.pool is not None
         idle = self.backend.idle_devices(bidirl.ROLLOUT) if can else 0
+        # across processes these exchanges block the loop: no task may reach a replica counted idle before it is
+        # lent (every process lends as many; the processes are in step here, right after the batch exchange)
         if self.cluster.multi:  # every process lends as many: the fewest any has idle
             idle = min(self.cluster.allgather(f"BiDiRL idle rollout devices at step {self.step + 1}", idle))
         if idle <= 0:
-            return await self._borrow("train borrow", None)
+            return await self._borrow("train borrow", None, blocking=True)
         costs = self.backend.switch_costs(bidirl.ROLLOUT, bidirl.TRAIN)
         return await self._borrow("train borrow", bidirl.BorrowSignals(
             borrower=bidirl.TRAIN, remaining_s=remaining, own_devices=len(self.pool.devices_of("train")),
             idle_devices=idle, idle_for_s=math.inf, switch_in_s=costs["switch_in_s"],
             switch_out_s=costs["switch_out_s"], merge_s=costs["merge_s"],
-            borrower_unit=self.backend.borrow_unit(bidirl.TRAIN), scaling=1.0))
+            borrower_unit=self.backend.borrow_unit(bidirl.TRAIN), scaling=1.0), blocking=True)
 

@@ -108,7 +108,7 @@ class Boundaries:
             break_even_ras=math.inf, rollout_groups=self.pool.num_groups("rollout"),
             train_groups=self.pool.num_groups("train"), ref_groups=self.pool.num_groups("ref"),
             ref_idle=self.ra2p_mode == ra2p.COLOCATED)
-        move, self.ers_history = self._decided("ERS", lambda: ers.decide(
+        move, self.ers_history = await self._decided("ERS", lambda: ers.decide(
             signals, self.ers_history, ers.ERSConfig(patience=self.cfg.ers_patience, cooldown=self.cfg.ers_cooldown),
             economics if self.cfg.ers_economics else None))
         if self.ers_history.refused:
@@ -150,7 +150,8 @@ class Boundaries:
         if self.cfg.mode != "tiderl" or self.pool is None or self._moved_this_boundary():
             self.ra2p_history = ra2p.RepartitionHistory()
             return
-        move, self.ra2p_history = self._decided("RA2P devices", lambda: self._ra2p_repartition(ras, step_time))
+        move, self.ra2p_history = await self._decided("RA2P devices",
+                                                      lambda: self._ra2p_repartition(ras, step_time))
         if move is not None:
             await self._apply_move(ers.Move(move.from_role, move.to_role, move.mode, move.reason, move.gain_s,
                                             move.cost_s), tokens, "RA2P")

@@ -60,6 +60,7 @@ from tiderl_jax.runtime import health
 from tiderl_jax.runtime.borrowing import Borrowing
 from tiderl_jax.runtime.boundaries import Boundaries
 from tiderl_jax.runtime.controller_config import MODES, ControllerConfig  # noqa: F401 (re-exported)
+from tiderl_jax.runtime.group import Group
 from tiderl_jax.runtime.metrics import RunMetrics
 from tiderl_jax.runtime.multihost import Multihost, local_config, process_devices
 from tiderl_jax.runtime.pool import Backend, DevicePool, split_devices
@@ -79,19 +80,6 @@ FAILED_GROUPS_LIMIT = 8
 # weight syncs in a row that failed before the run stops (sooner when the staleness bound is lower:
 # a rollout more than eta versions behind makes only samples that are dropped as stale)
 SYNC_FAILURES_LIMIT = 3
-
-
-@dataclasses.dataclass
-class _Group:
-    gid: int
-    task: Task
-    trajectories: list = dataclasses.field(default_factory=list)
-    launched: int = 0  # samples started in this process (a resumed group keeps its finished ones)
-    finished: int = 0  # of those, how many ended (completed or dropped)
-    errors: int = 0  # of those, how many raised or could never run (`prompt_too_long`)
-    dropped: list = dataclasses.field(default_factory=list)  # samples that ended without training data
-    arrived: float = 0.0  # when its last sample finished
-    ref_job: asyncio.Future | None = None  # decoupled ref scoring in flight
 
 
 class Controller(Boundaries, Borrowing, Multihost):
@@ -174,10 +162,10 @@ class Controller(Boundaries, Borrowing, Multihost):
         # dropped with its reason (`dropped:<reason>`); `dropped:stale` ones were completed first
         self.ledger: collections.Counter = collections.Counter()
         self.consumed: list[list[int]] = []  # [group, sample] of every trained sample, in order
-        self.taking: list[_Group] = []  # the groups of the update being assembled or trained (a checkpoint keeps them)
-        self.ready: collections.deque[_Group] = collections.deque()
-        self.in_flight: dict[int, _Group] = {}
-        self.resume_groups: list[_Group] = []  # in-flight groups of a checkpoint, to complete
+        self.taking: list[Group] = []  # the groups of the update being assembled or trained (a checkpoint keeps them)
+        self.ready: collections.deque[Group] = collections.deque()
+        self.in_flight: dict[int, Group] = {}
+        self.resume_groups: list[Group] = []  # in-flight groups of a checkpoint, to complete
         self._sample_tasks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
         self.ra2p_mode = ra2p.COLOCATED
@@ -272,7 +260,7 @@ class Controller(Boundaries, Borrowing, Multihost):
             if self.resume_groups:
                 group = self.resume_groups.pop(0)
             else:
-                group = _Group(self._task_index(self.cursor), self._next_task())
+                group = Group(self._task_index(self.cursor), self._next_task())
             self.in_flight[group.gid] = group
             ended = {t.info.get("sample") for t in group.trajectories} | set(group.dropped)
             missing = [i for i in range(G) if i not in ended]
@@ -287,7 +275,7 @@ class Controller(Boundaries, Borrowing, Multihost):
                 self._sample_tasks.add(job)
                 job.add_done_callback(self._sample_tasks.discard)
 
-    async def _one_sample(self, group: _Group, sample: int):
+    async def _one_sample(self, group: Group, sample: int):
         """Generates one sample of a group; the group goes to the ready buffer when its last one ends.
         A sample ends exactly once: completed, or dropped with its reason (a failed task, whose
         failure the rollout already retried where that is the right thing, or an error here)."""
@@ -297,7 +285,7 @@ class Controller(Boundaries, Borrowing, Multihost):
             traj = e
         self._sample_done(group, sample, traj)
 
-    async def _one_group(self, group: _Group, samples: list[int]):
+    async def _one_group(self, group: Group, samples: list[int]):
         """`_one_sample` for a backend that generates a group's samples in one call (`generate_group`)."""
         try:
             results = await self.backend.generate_group(group.task, group.gid, samples, self.cfg.group_size)
@@ -306,7 +294,7 @@ class Controller(Boundaries, Borrowing, Multihost):
         for sample, traj in zip(samples, results):
             self._sample_done(group, sample, traj)
 
-    def _sample_done(self, group: _Group, sample: int, traj) -> None:
+    def _sample_done(self, group: Group, sample: int, traj) -> None:
         """One sample ended (a trajectory, or the exception that ended it). An exception marked `fatal`
         (the rollout engine is broken) ends the run: the trainer is woken to raise it. A prompt too
         long for the context (`prompt_too_long`) counts as an error toward FAILED_GROUPS_LIMIT: one
@@ -374,7 +362,7 @@ class Controller(Boundaries, Borrowing, Multihost):
             raise RuntimeError(f"the rollout producer failed ({producer.exception()}); no more data will "
                                "arrive") from producer.exception()
 
-    def _drop_stale(self, group: _Group) -> int:
+    def _drop_stale(self, group: Group) -> int:
         """Drops the group's samples whose oldest token is more than eta versions behind now;
         returns how many."""
         eta, version = self.cfg.staleness.eta, self.version
@@ -389,7 +377,7 @@ class Controller(Boundaries, Borrowing, Multihost):
             self._wake.set()  # capacity freed: the producer replaces them
         return dropped
 
-    def _drop_uninformative(self, group: _Group) -> None:
+    def _drop_uninformative(self, group: Group) -> None:
         """Dynamic sampling (DAPO; `filter_groups`): a complete group whose rewards are all equal (or that has fewer
         than two samples left) has no advantage to train on: it is dropped (`dropped:zero_variance`) and the capacity
         it held is freed, so the producer samples another. Past `filter_groups_limit` such groups in a row the run
@@ -411,7 +399,7 @@ class Controller(Boundaries, Borrowing, Multihost):
             self._wake.set()
         group.trajectories = []
 
-    async def _score_ref(self, group: _Group):
+    async def _score_ref(self, group: Group):
         with self.metrics.span("ref", "score"):
             t0 = self.clock()
             scores, compiled = await self.backend.score_ref(group.trajectories)
@@ -469,7 +457,7 @@ class Controller(Boundaries, Borrowing, Multihost):
         self._wake.set()  # capacity may have freed up
         return batch, waited, ras, hol
 
-    async def _train_step(self, batch: list[_Group]):
+    async def _train_step(self, batch: list[Group]):
         # in task order: an update is the same whatever order its groups arrived in, on one process or several
         trajs = [t for g in sorted(batch, key=lambda g: g.gid) for t in g.trajectories]
         if any(g.ref_job is not None for g in batch):  # the trainer waits (idle) for decoupled ref scores
@@ -551,12 +539,12 @@ class Controller(Boundaries, Borrowing, Multihost):
         self.step, self.version, self.cursor = meta["step"], meta["version"], meta["cursor"]
         self.backend.restore_arrays(arrays, step=self.step, version=self.version)
         for g in meta["ready"]:
-            group = _Group(g["gid"], Task(**g["task"]), [Trajectory.from_dict(t) for t in g["trajectories"]],
+            group = Group(g["gid"], Task(**g["task"]), [Trajectory.from_dict(t) for t in g["trajectories"]],
                            arrived=self.clock())
             self.ready.append(group)
             self.accepted += len(group.trajectories)
         self.accepted += self.version * self.cfg.batch_samples  # consumed before the checkpoint
-        self.resume_groups = [_Group(g["gid"], Task(**g["task"]),
+        self.resume_groups = [Group(g["gid"], Task(**g["task"]),
                                      [Trajectory.from_dict(t) for t in g["trajectories"]],
                                      dropped=list(g.get("dropped", [])))
                               for g in meta["in_flight"]]
@@ -585,8 +573,8 @@ class Controller(Boundaries, Borrowing, Multihost):
             while self.step < self.cfg.steps:
                 ras0 = len(self.ready)
                 if self.cluster.multi and self.cfg.mode == "tiderl" and self.backend.has_ref_devices:
-                    ras0 = self._gathered_counts("ready at start", ras=ras0)["ras"]
-                decision = self._decided("RA2P mode", lambda: self._ra2p_decision(ras0))
+                    ras0 = (await self._gathered_counts_async("ready at start", ras=ras0))["ras"]
+                decision = await self._decided("RA2P mode", lambda: self._ra2p_decision(ras0))
                 if decision is not None:
                     self.ra2p_mode = decision.mode
                 batch, waited, ras, hol = await self._take_batch()
@@ -595,7 +583,7 @@ class Controller(Boundaries, Borrowing, Multihost):
                 self.taking, self.consumed = [], self.consumed + [[t.group, t.info.get("sample")] for t in trajs]
                 now = self.clock()
                 step_time, last = now - last, now
-                counts = self._gathered_counts(  # every process's (process 0 decides and logs from them)
+                counts = await self._gathered_counts_async(  # every process's (process 0 decides and logs from them)
                     f"step {self.step} counts", ready_volume=sum(len(g.trajectories) for g in self.ready),
                     ready_groups=len(self.ready), running=self.running, discarded=self.discarded)
                 await self._ers_boundary(waited, step_time, ras, hol, int(out.get("tokens", 0)), counts["ready_volume"])

@@ -190,7 +190,8 @@ class HotSwitches:
         devices = tuple(self.pool.devices_of("train")) + tuple(extra)
         if self.pool.hosts is not None:  # across processes: every process's train and lent devices, process-major
             by_id = {d.id: d for d in jax.devices()}
-            ids = distributed.cluster().allgather("BiDiRL: the devices lent to the trainer", [d.id for d in devices])
+            ids = await distributed.cluster().allgather_async("BiDiRL: the devices lent to the trainer",
+                                                              [d.id for d in devices])  # chosen: paused above
             devices = tuple(by_id[i] for host in ids for i in host)
         mesh = group_mesh(devices, self.tensor)
         self._lent = dict(paused=chosen, home_mesh=home_mesh, home_programs=home_programs, groups=gids)

@@ -25,6 +25,12 @@ Every process runs the controller. What each one owns and what they share:
 
 A process that fails at a step boundary tells the others (their exchange raises, naming it); one that dies or
 hangs is named by the heartbeat watchdog (`distributed.Cluster.start_watchdog`).
+
+The exchanges here are awaited (`Cluster.allgather_async`, `broadcast_async`): while a process waits for a slower
+one, its rollouts, environments, engine steps and HTTP server go on. The checkpoint meta, the final ledger and its
+accounts are exchanged synchronously (`save`, `global_ledger`, `_gathered_counts`: their callers are not async;
+a save's orbax barrier blocks the loop anyway), and so are a trainer borrow's two (`Borrowing._train_borrow`:
+the rollout replicas counted idle must still be idle when lent).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import logging
 
 from tiderl_jax import distributed
 from tiderl_jax.model.config import ConfigError
+from tiderl_jax.runtime.group import Group
 
 log = logging.getLogger("tiderl_jax.runtime.controller")
 
@@ -82,30 +89,40 @@ class Multihost:
     async def _exchange_batch(self, local: list, waited: float, ras: int, hol: float):
         """Every process's groups of this update (`_train_step` puts them in task order) and the gathered signals: the trainer's wait and
         the head-of-line latency are the longest, the ready groups at start summed."""
-        from tiderl_jax.runtime.controller import _Group
         for g in local:  # decoupled ref scores travel with the trajectories
             if g.ref_job is not None:
                 await g.ref_job
-        parts = self.cluster.allgather(f"step {self.step + 1} batch", dict(
+        parts = await self.cluster.allgather_async(f"step {self.step + 1} batch", dict(
             groups=[(g.gid, g.task, g.trajectories) for g in local], waited=waited, ras=ras, hol=hol))
         mine = {g.gid: g for g in local}
-        batch = [mine.get(gid) or _Group(gid, task, list(trajs), arrived=self.clock())
+        batch = [mine.get(gid) or Group(gid, task, list(trajs), arrived=self.clock())
                  for part in parts for gid, task, trajs in part["groups"]]
         return (batch, max(p["waited"] for p in parts), sum(p["ras"] for p in parts),
                 max(p["hol"] for p in parts))
 
     def _gathered_counts(self, what: str, **counts) -> dict:
-        """`counts` summed over the processes (one exchange)."""
+        """`counts` summed over the processes (one exchange; it blocks: for callers off the event loop)."""
         if not self.cluster.multi:
             return counts
         parts = self.cluster.allgather(what, counts)
         return {k: sum(p[k] for p in parts) for k in counts}
 
-    def _decided(self, what: str, decide):
-        """Process 0's `decide()`, on every process (the others do not call it)."""
+    async def _gathered_counts_async(self, what: str, **counts) -> dict:
+        """`_gathered_counts` from the event loop, which goes on meanwhile."""
+        if not self.cluster.multi:
+            return counts
+        parts = await self.cluster.allgather_async(what, counts)
+        return {k: sum(p[k] for p in parts) for k in counts}
+
+    async def _decided(self, what: str, decide, blocking: bool = False):
+        """Process 0's `decide()`, on every process (the others do not call it; it runs here, on the loop).
+        `blocking`: the loop waits too (nothing may change before the caller acts on the decision)."""
         if not self.cluster.multi:
             return decide()
-        return self.cluster.broadcast(what, decide() if self.cluster.primary else None)
+        obj = decide() if self.cluster.primary else None
+        if blocking:
+            return self.cluster.broadcast(what, obj)
+        return await self.cluster.broadcast_async(what, obj)
 
     def _failed_here(self, what: str, e: BaseException) -> None:
         """Tells the others this process cannot reach the exchange `what` (theirs raises, naming it)."""
