@@ -30,6 +30,18 @@ import pytest  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 ARCHS = ("llama", "qwen2", "qwen3")
+_ENVIRONMENT = dict(os.environ)  # the tests' environment, as set above
+
+
+@pytest.fixture(autouse=True)
+def _the_tests_environment():
+    """Each test starts in the environment set above, which the processes it starts inherit: a benchmark module a
+    test imports sets XLA_FLAGS' device count at its import (benchmarks/_env.py), which would otherwise reach a
+    main job started later in the same worker and win over its config's device count."""
+    if os.environ != _ENVIRONMENT:
+        os.environ.clear()
+        os.environ.update(_ENVIRONMENT)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -105,9 +105,10 @@ def test_interrupted_in_each_phase_it_resumes_and_reports_the_learning_statistic
     assert json.loads((tmp_path / "summary.3_steps.json").read_text())["step"] == 3
     # the same log directory with another configuration is refused, not silently resumed
     r = subprocess.run([sys.executable, "launch/train.py", f"--config.logdir={tmp_path}", *TINY,
-                        "--config.controller.steps=4", "--config.controller.mode=sync"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "holds a run of another configuration (controller.mode" in r.stderr, r.stderr[-2000:]
+                        "--config.controller.steps=4", "--config.controller.mode=sync", "--config.controller.eta=0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "holds a run of another configuration (controller.eta: 1 -> 0, controller.mode" in \
+        r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.timeout(900)

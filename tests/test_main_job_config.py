@@ -249,9 +249,10 @@ def test_a_finished_run_says_so_and_overwrites_nothing(tmp_path, monkeypatch):
 
 def test_another_configuration_in_a_run_directory_is_refused_naming_every_key(tmp_path, monkeypatch):
     files = _finished_run(tmp_path, monkeypatch)
-    r = _train(f"--config.logdir={tmp_path}", *RUN, "--config.controller.mode=sync",
+    r = _train(f"--config.logdir={tmp_path}", *RUN, "--config.controller.mode=sync", "--config.controller.eta=0",
                "--config.controller.group_size=4", "--config.tasks=lookup", "--config.eval.tasks=8")
-    _one_line_error(r, "holds a run of another configuration (controller.group_size: 8 -> 4, controller.mode: "
+    _one_line_error(r, "holds a run of another configuration (controller.eta: 1 -> 0, controller.group_size: 8 -> 4, "
+                       "controller.mode: "
                        "'tiderl' -> 'sync', eval.tasks: 4 -> 8, tasks: ('calculator', 'lookup') -> ('lookup',))")
     assert "another --config.logdir" in r.stderr and f"deleting {tmp_path}" in r.stderr
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.iterdir()} == files
