@@ -457,6 +457,10 @@ class Controller(Boundaries, Borrowing, Multihost):
         self._wake.set()  # capacity may have freed up
         return batch, waited, ras, hol
 
+    def _count_step(self, trajs) -> None:
+        self.step += 1
+        self.taking, self.consumed = [], self.consumed + [[t.group, t.info.get("sample")] for t in trajs]
+
     async def _train_step(self, batch: list[Group]):
         # in task order: an update is the same whatever order its groups arrived in, on one process or several
         trajs = [t for g in sorted(batch, key=lambda g: g.gid) for t in g.trajectories]
@@ -578,9 +582,18 @@ class Controller(Boundaries, Borrowing, Multihost):
                 if decision is not None:
                     self.ra2p_mode = decision.mode
                 batch, waited, ras, hol = await self._take_batch()
-                out, trajs = await self._train_step(batch)
-                self.step += 1
-                self.taking, self.consumed = [], self.consumed + [[t.group, t.info.get("sample")] for t in trajs]
+                train = asyncio.ensure_future(self._train_step(batch))
+                try:
+                    out, trajs = await asyncio.shield(train)
+                except asyncio.CancelledError:
+                    # interrupted while the update runs in its thread, which owns the donated weights until it
+                    # returns (a thread cannot be stopped): it finishes and counts, so the save that follows holds
+                    # the updated weights with their step and version, and the batch is not trained again on resume
+                    out, trajs = await train
+                    self._count_step(trajs)
+                    self.version += 1  # a resume publishes these weights under it
+                    raise
+                self._count_step(trajs)
                 now = self.clock()
                 step_time, last = now - last, now
                 counts = await self._gathered_counts_async(  # every process's (process 0 decides and logs from them)
