@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import signal
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -31,16 +32,22 @@ import pytest  # noqa: E402
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 ARCHS = ("llama", "qwen2", "qwen3")
 _ENVIRONMENT = dict(os.environ)  # the tests' environment, as set above
+_SIGNALS = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # and the process's handlers
 
 
 @pytest.fixture(autouse=True)
 def _the_tests_environment():
-    """Each test starts in the environment set above, which the processes it starts inherit: a benchmark module a
-    test imports sets XLA_FLAGS' device count at its import (benchmarks/_env.py), which would otherwise reach a
-    main job started later in the same worker and win over its config's device count."""
+    """Each test starts in the environment set above and with the process's own SIGINT / SIGTERM handlers, which
+    the processes it starts inherit (an ignored SIGINT is inherited): a benchmark module a test imports sets
+    XLA_FLAGS' device count at its import (benchmarks/_env.py), which would otherwise reach a main job started
+    later in the same worker and win over its config's device count; a handler left by one test would make a
+    later test's Ctrl-C do something else."""
     if os.environ != _ENVIRONMENT:
         os.environ.clear()
         os.environ.update(_ENVIRONMENT)
+    for s, handler in _SIGNALS.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
     yield
 
 
