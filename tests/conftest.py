@@ -32,12 +32,14 @@ import pytest  # noqa: E402
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 ARCHS = ("llama", "qwen2", "qwen3")
 _ENVIRONMENT = dict(os.environ)  # the tests' environment, as set above
-_SIGNALS = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # and the process's handlers
+# Ctrl-C's and SIGTERM's default handlers, whatever this process inherited: a shell without job control starts a
+# background command (`cmd &`) with SIGINT ignored, which the processes a test starts would inherit
+_SIGNALS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
 
 @pytest.fixture(autouse=True)
 def _the_tests_environment():
-    """Each test starts in the environment set above and with the process's own SIGINT / SIGTERM handlers, which
+    """Each test starts in the environment set above and with the default SIGINT / SIGTERM handlers, which
     the processes it starts inherit (an ignored SIGINT is inherited): a benchmark module a test imports sets
     XLA_FLAGS' device count at its import (benchmarks/_env.py), which would otherwise reach a main job started
     later in the same worker and win over its config's device count; a handler left by one test would make a

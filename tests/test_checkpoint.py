@@ -2,6 +2,7 @@
 
 import dataclasses
 import gc
+import logging
 
 import jax
 import numpy as np
@@ -69,6 +70,20 @@ def test_keep_last_n_and_latest(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint of step 1"):
         ckpt.restore(dict(params=trainer.params), step=1)
     ckpt.close()
+
+
+def test_a_resumed_run_restores_without_library_warnings(tmp_path, caplog):
+    """A fresh manager (a resumed run's) reads the latest step quietly: orbax warns about every item it has no
+    handler for yet ('Item "params" was found in the checkpoint, but could not be restored'), which reached the
+    main job's output on each resume."""
+    trainer = Trainer(init_decoder(CFG, seed=2), _config())
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, dict(params=trainer.params, opt_state=trainer.opt_state), {"step": 1})
+    ckpt.close()
+    caplog.set_level(logging.WARNING)
+    arrays, meta = Checkpointer(tmp_path).restore(dict(params=trainer.params, opt_state=trainer.opt_state))
+    assert meta == {"step": 1} and set(arrays) == {"params", "opt_state"}
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_restore_onto_a_mesh_keeps_the_shardings(tmp_path):

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 from tiderl_jax.model.hf_io import CheckpointError
@@ -104,9 +105,12 @@ class Checkpointer:
                                   f"steps there: {self.all_steps()}")
         items = {name: ocp.args.StandardRestore(_abstract(_pure(tree))) for name, tree in like.items()}
         try:  # shapes first: orbax's failed reads leave background tasks behind (and a less clear error)
-            stored = self.manager.item_metadata(step)
-            mismatch = {name: _shape_mismatch(_pure(tree), stored[name]) for name, tree in like.items()
-                        if name in stored}
+            # each item's own metadata (the manager's item_metadata warns about every item a fresh manager has
+            # no handler for yet, which a resumed run's is)
+            step_dir = os.path.join(self.directory, str(step))
+            mismatch = {name: _shape_mismatch(_pure(tree), ocp.StandardCheckpointHandler().metadata(
+                epath.Path(step_dir, name))) for name, tree in like.items()
+                if os.path.isdir(os.path.join(step_dir, name))}
         except Exception:  # noqa: BLE001 - no readable metadata: the restore below names what is wrong
             mismatch = {}
         for name, what in mismatch.items():

@@ -583,16 +583,18 @@ class Controller(Boundaries, Borrowing, Multihost):
                     self.ra2p_mode = decision.mode
                 batch, waited, ras, hol = await self._take_batch()
                 train = asyncio.ensure_future(self._train_step(batch))
+                interrupted = False
                 try:
                     out, trajs = await asyncio.shield(train)
                 except asyncio.CancelledError:
                     # interrupted while the update runs in its thread, which owns the donated weights until it
-                    # returns (a thread cannot be stopped): it finishes and counts, so the save that follows holds
-                    # the updated weights with their step and version, and the batch is not trained again on resume
+                    # returns (a thread cannot be stopped): on one process the step then runs to its end (publish,
+                    # its evaluation, its metrics row) and the save that follows holds it; a second interrupt
+                    # stops at once. Across processes an interrupt saves nothing new: stop when the thread returns
                     out, trajs = await train
-                    self._count_step(trajs)
-                    self.version += 1  # a resume publishes these weights under it
-                    raise
+                    if self.cluster.multi:
+                        raise
+                    interrupted = True
                 self._count_step(trajs)
                 now = self.clock()
                 step_time, last = now - last, now
@@ -629,6 +631,8 @@ class Controller(Boundaries, Borrowing, Multihost):
                              decision.cost_colocated, decision.cost_decoupled)
                 if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                     self.save()
+                if interrupted:
+                    raise asyncio.CancelledError
             completed = True
         finally:
             self._stop = True
