@@ -65,7 +65,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tiderl_jax.agents.trajectory import Trajectory  # noqa: E402
+from tiderl_jax.trajectory import Trajectory  # noqa: E402
 from tiderl_jax.model.config import ModelConfig  # noqa: E402
 from tiderl_jax.model.decoder import init_decoder  # noqa: E402
 from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model  # noqa: E402

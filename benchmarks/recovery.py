@@ -194,8 +194,6 @@ def _run(make, config, task, turns, kill_at):
 
 def _controller_run(ft: str, steps: int, skip: int, logdir: str) -> tuple[float, float, int]:
     """(seconds per update, goodput tokens/s over updates skip+1..steps, samples unaccounted for)."""
-    import statistics  # noqa: F401
-
     from tiderl_jax.agents.rollout import RolloutConfig
     from tiderl_jax.model.tokenizer import Tokenizer
     from tiderl_jax.rl.trainer import TrainerConfig

@@ -13,7 +13,7 @@ import pytest
 
 from tiderl_jax.agents.env import LatencyModel, StepResult
 from tiderl_jax.agents.rollout import RolloutConfig
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.engine.engine import EngineConfig
 from tiderl_jax.model.config import ConfigError, ModelConfig
 from tiderl_jax.model.decoder import init_decoder

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from test_trainer import CFG, TRAJS, _config, _params, _traj
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.hf_io import CheckpointError
 from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model

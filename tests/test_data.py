@@ -11,7 +11,8 @@ import pytest
 
 from tiderl_jax.data import datasets, env as data_env
 from tiderl_jax.data.datasets import DatasetError
-from tiderl_jax.data.rewards import ImportPathError, RewardFailed
+from tiderl_jax.agents.env import RewardFailed
+from tiderl_jax.import_path import ImportPathError
 
 VERL_ROWS = [
     {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],

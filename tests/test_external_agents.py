@@ -19,7 +19,7 @@ from tiderl_jax.agents.rollout import RolloutConfig  # noqa: E402
 from tiderl_jax.engine.engine import Engine, EngineConfig  # noqa: E402
 from tiderl_jax.model.hf_io import load_hf_checkpoint  # noqa: E402
 from tiderl_jax.model.tokenizer import Tokenizer  # noqa: E402
-from tiderl_jax.serving.openai_api.external import ExternalAgents  # noqa: E402
+from tiderl_jax.agents.external import ExternalAgents  # noqa: E402
 from tiderl_jax.serving.service import RolloutService  # noqa: E402
 
 CHECKPOINT = ROOT / "checkpoints" / "tiny_agentic_sft"

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from tiderl_jax.agents import tasks as T
-from tiderl_jax.agents.trajectory import Trajectory, Turn
+from tiderl_jax.trajectory import Trajectory, Turn
 from tiderl_jax.runtime import health, plots
 from tiderl_jax.runtime.controller import ControllerConfig
 from tiderl_jax.runtime.metrics import TAG_GROUPS, RunMetrics, tensorboard_tag

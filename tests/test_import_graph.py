@@ -85,3 +85,27 @@ def test_no_module_of_the_package_imports_itself_through_others():
     graph = import_graph()
     assert len(graph) > 100 and sum(map(len, graph.values())) > 200  # the whole package read
     assert circles(graph) == []
+
+
+# The layers from the bottom (docs/architecture.md): a module imports only from its own layer or below. Leaves of
+# the package's top level sit where their imports put them: `trajectory.py` (the record rollouts, the HTTP front
+# and the trainer share) just above the model it reads image spans from.
+LAYERS = ({"policies", "import_path", "interrupts", "progress"}, {"model"}, {"trajectory"}, {"engine"},
+          {"serving"}, {"agents"}, {"data"}, {"rl"}, {"faults"})
+
+
+def _layer(module: str) -> int | None:
+    name = module.split(".")[1] if "." in module else module
+    return next((i for i, names in enumerate(LAYERS) if name in names), None)
+
+
+def test_imports_point_down_the_layers():
+    """The serving layer imports neither agents/ nor data/ (external agents are a rollout source: agents/); the
+    rollout loop reaches the reward-failure type in agents/env.py, below data/rewards.py which raises it."""
+    graph = import_graph()
+    against = sorted((m, d) for m, deps in graph.items() for d in deps
+                     if _layer(m) is not None and _layer(d) is not None and _layer(d) > _layer(m))
+    assert against == []
+    assert _layer("tiderl_jax.serving.openai_api.frontend") < _layer("tiderl_jax.agents.external")
+    assert {_layer(f"tiderl_jax.{p}") for p in ("policies", "model", "engine", "serving", "agents", "data", "rl",
+                                                   "faults")} == set(range(len(LAYERS))) - {2}

@@ -12,7 +12,7 @@ import safetensors.numpy
 from conftest import ROOT
 from flax import nnx
 
-from tiderl_jax.agents.trajectory import Trajectory, Turn
+from tiderl_jax.trajectory import Trajectory, Turn
 from tiderl_jax.model import chat
 from tiderl_jax.model.hf_io import export_policy, load_hf_checkpoint
 from tiderl_jax.model.sharding import make_mesh

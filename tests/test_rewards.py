@@ -11,7 +11,9 @@ from ticks import ticking
 
 from tiderl_jax.agents.env import Task
 from tiderl_jax.data import answers, builtin, rewards
-from tiderl_jax.data.rewards import ImportPathError, RewardFailed, RewardFn
+from tiderl_jax.agents.env import RewardFailed
+from tiderl_jax.data.rewards import RewardFn
+from tiderl_jax.import_path import ImportPathError
 
 
 def _call(fn: RewardFn, solution="x", truth="1", source="src", extra=None):

@@ -187,7 +187,7 @@ def test_measured_attention_terms_charge_context_and_pairs():
 def test_packed_micro_batches_follows_the_trainers_packing():
     import numpy as np
 
-    from tiderl_jax.agents.trajectory import Trajectory
+    from tiderl_jax.trajectory import Trajectory
     from tiderl_jax.rl import batch
 
     rng = np.random.default_rng(0)

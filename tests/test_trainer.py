@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError, ModelConfig
 from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model

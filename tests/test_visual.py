@@ -13,7 +13,7 @@ from tiderl_jax.agents import tasks as T
 from tiderl_jax.agents import visual
 from tiderl_jax.agents.env import LatencyModel, Observation
 from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
-from tiderl_jax.agents.trajectory import Trajectory, load_trajectories, save_trajectories
+from tiderl_jax.trajectory import Trajectory, load_trajectories, save_trajectories
 from tiderl_jax.engine.engine import Engine, EngineConfig
 from tiderl_jax.model import chat
 from tiderl_jax.model.config import ModelConfig

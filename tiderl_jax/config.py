@@ -675,11 +675,12 @@ def build_data(cfg):
     data = cfg.get("data", None)
     if data is None or not (data.get("train_files", "") or data.get("heldout_files", "")):
         return None
-    from tiderl_jax.data import datasets, env, rewards
+    from tiderl_jax.data import datasets, env
+    from tiderl_jax.import_path import ImportPathError
 
     try:
         return env.build_data(data, seed=cfg.get("seed", 0), holdout=cfg.eval.tasks)
     except datasets.DatasetError as e:
         raise ConfigError(f"data: {e}") from None
-    except rewards.ImportPathError as e:
+    except ImportPathError as e:
         raise ConfigError(f"data.reward_fn / data.env: {e}") from None

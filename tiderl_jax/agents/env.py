@@ -96,6 +96,19 @@ Tool = Callable[[Mapping[str, Any]], str | Observation | Awaitable[str | Observa
 Score = Callable[[Task, str], float | Awaitable[float]]
 
 
+class RewardFailed(Exception):
+    """A reward call failed; `reason` is `reward_error` or `reward_timeout` (the sample's end reason). Raised by
+    a task's reward (`data/rewards.py`'s `RewardFn`) from an environment's `step`; the rollout loop ends the sample
+    with that reason."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):  # crosses process boundaries intact (environment subprocesses)
+        return type(self), (self.reason, str(self))
+
+
 class EnvRewound(Exception):
     """Raised by an environment's `step` when it failed and came back at an earlier turn (restored
     from a checkpoint, or reset: turn 0). `turn` counts the environment steps the restored state has

@@ -60,14 +60,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tiderl_jax.agents.env import EnvRewound, Environment, LatencyModel, Observation, Task, as_observation
+from tiderl_jax.agents.env import (EnvRewound, Environment, LatencyModel, Observation, RewardFailed, Task,
+                                   as_observation)
 from tiderl_jax.agents.tasks import SYSTEM_PROMPT
-from tiderl_jax.agents.trajectory import Trajectory, Turn
-from tiderl_jax.data.rewards import RewardFailed
+from tiderl_jax.trajectory import Trajectory, Turn
 from tiderl_jax.engine.engine import Engine, Request, SequenceOutput
 from tiderl_jax.engine.sampling import RequestError, SamplingParams
 from tiderl_jax.model import chat, vision
-from tiderl_jax.model.chat_template import ChatTemplate
+from tiderl_jax.model.chat_template import ChatTemplate, continuation_ids
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.model.vision import ImageSpan
 from tiderl_jax.policies import ctb
@@ -93,7 +93,7 @@ class RolloutConfig:
     footprint_horizon: str = "task"
     readiness_aware: bool = False
     weights: ctb.CTBWeights = ctb.CTBWeights()
-    # External agents make the train samples instead of this loop (serving/openai_api/external.py, docs/serving.md):
+    # External agents make the train samples instead of this loop (agents/external.py, docs/serving.md):
     # an async function `module:function` (task, base_url, api_key), or a command run with OPENAI_BASE_URL /
     # OPENAI_API_KEY set; both "": this loop. An episode past agent_timeout_s fails its sample.
     agent: str = ""
@@ -137,22 +137,6 @@ def first_prompt(tokenizer: Tokenizer, template: ChatTemplate | None, text: str,
     if template is not None:
         return messages, template.encode(messages, add_generation_prompt=True)
     return messages, chat.encode(tokenizer, messages, add_generation_prompt=True)
-
-
-def continuation_ids(tokenizer: Tokenizer, template: ChatTemplate | None, history: Sequence[chat.Message],
-                     new: Sequence[chat.Message], *, stopped: bool, tools: Sequence[dict] | None = None
-                     ) -> tuple[list[int], list[ImageSpan]]:
-    """The tokens that follow the model's sampled turn (the last message of `history`) when `new` messages
-    (tool results, a user turn) come next: the rest of its end of turn (its end-of-turn token when it did not
-    stop on one: `stopped`), the new messages and the generation prompt; and their image spans (offsets into
-    those tokens). The model's sampled tokens stay as they are (token-in / token-out): in the checkpoint's
-    template (`ChatTemplate.observation_ids`), else the built-in ChatML. The rollout loop's observations and
-    the HTTP server's session continuations (`serving/openai_api`) both come from here."""
-    if template is not None:
-        return template.observation_ids(history, new, model_stopped=stopped, tools=tools), []
-    prefix = tokenizer.encode(("" if stopped else chat.TURN_END) + "\n")
-    encoded = chat.encode(tokenizer, new, add_generation_prompt=True)
-    return prefix + encoded.ids, [im.shifted(len(prefix)) for im in encoded.images]
 
 
 @dataclasses.dataclass

@@ -35,15 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import os
-import sys
 import threading
 from typing import Any, Callable, Mapping
+
+from tiderl_jax.agents.env import RewardFailed
+from tiderl_jax.import_path import ImportPathError, load_object
 
 BUILTIN_REWARDS = {"math": "tiderl_jax.data.builtin:math_reward",
                    "code": "tiderl_jax.data.builtin:code_reward",
@@ -51,67 +49,6 @@ BUILTIN_REWARDS = {"math": "tiderl_jax.data.builtin:math_reward",
                    "auto": "tiderl_jax.data.builtin:auto_reward"}
 DEFAULT_TIMEOUT_S = 10.0
 MAX_ABANDONED = 16  # abandoned calls still running at which the function is considered broken
-
-
-class ImportPathError(ValueError):
-    """An import path that cannot be used (the message names the path and the problem)."""
-
-
-class RewardFailed(Exception):
-    """A reward call failed; `reason` is `reward_error` or `reward_timeout`."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-    def __reduce__(self):  # crosses process boundaries intact (environment subprocesses)
-        return type(self), (self.reason, str(self))
-
-
-def _split(spec: str, what: str) -> tuple[str, str]:
-    if not isinstance(spec, str) or spec.count(":") < 1:
-        raise ImportPathError(f"{what} {spec!r} is not 'module:name' or 'path/to/file.py:name'")
-    target, _, name = spec.rpartition(":")
-    if not target or not name.isidentifier():
-        raise ImportPathError(f"{what} {spec!r} is not 'module:name' or 'path/to/file.py:name' "
-                              f"(name {name!r} is not an identifier)")
-    return target, name
-
-
-def _module_from_file(path: str, spec: str, what: str):
-    full = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(full):
-        raise ImportPathError(f"{what} {spec!r}: file {full} not found")
-    name = "tiderl_user_" + hashlib.sha1(full.encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, full)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses and pickling look the module up while it runs
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise ImportPathError(f"{what} {spec!r}: importing {full} raised {type(e).__name__}: {e}") from e
-    return module
-
-
-def load_object(spec: str, what: str = "import path") -> Any:
-    """The object `spec` names: `"module:name"` or `"path/to/file.py:name"`; ImportPathError otherwise."""
-    target, name = _split(spec, what)
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        module = _module_from_file(target, spec, what)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            raise ImportPathError(f"{what} {spec!r}: module {target!r} not found ({e})") from e
-        except Exception as e:
-            raise ImportPathError(f"{what} {spec!r}: importing {target!r} raised {type(e).__name__}: {e}") from e
-    if not hasattr(module, name):
-        public = sorted(n for n in vars(module) if not n.startswith("_"))[:12]
-        raise ImportPathError(f"{what} {spec!r}: {target!r} has no {name!r} (it defines {public})")
-    return getattr(module, name)
 
 
 # ----------------------------------------------------------------------------------- reward functions

@@ -40,6 +40,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tiderl_jax.model import chat
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.tokenizer import Tokenizer
+from tiderl_jax.model.vision import ImageSpan
 
 TOOL_FORMATS = ("hermes", "llama3_json")
 PYTHON_TAG = "<|python_tag|>"
@@ -297,3 +298,19 @@ def _llama3_call_error(obj) -> str | None:
     if not isinstance(args, dict):
         return f'tool call "parameters" must be an object, got {type(args).__name__}'
     return None
+
+
+def continuation_ids(tokenizer: Tokenizer, template: ChatTemplate | None, history: Sequence[chat.Message],
+                     new: Sequence[chat.Message], *, stopped: bool, tools: Sequence[dict] | None = None
+                     ) -> tuple[list[int], list[ImageSpan]]:
+    """The tokens that follow the model's sampled turn (the last message of `history`) when `new` messages
+    (tool results, a user turn) come next: the rest of its end of turn (its end-of-turn token when it did not
+    stop on one: `stopped`), the new messages and the generation prompt; and their image spans (offsets into
+    those tokens). The model's sampled tokens stay as they are (token-in / token-out): in the checkpoint's
+    template (`ChatTemplate.observation_ids`), else the built-in ChatML. The rollout loop's observations
+    (`agents/rollout.py`) and the HTTP server's session continuations (`serving/openai_api`) both come from here."""
+    if template is not None:
+        return template.observation_ids(history, new, model_stopped=stopped, tools=tools), []
+    prefix = tokenizer.encode(("" if stopped else chat.TURN_END) + "\n")
+    encoded = chat.encode(tokenizer, new, add_generation_prompt=True)
+    return prefix + encoded.ids, [im.shifted(len(prefix)) for im in encoded.images]

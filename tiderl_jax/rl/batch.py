@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.model import vision
 
 

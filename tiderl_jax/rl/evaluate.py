@@ -29,7 +29,7 @@ from typing import Sequence
 from tiderl_jax.agents import tasks
 from tiderl_jax.agents.env import Task
 from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.engine.engine import Engine
 from tiderl_jax.serving.service import RolloutService
 from tiderl_jax.model.tokenizer import Tokenizer

@@ -34,7 +34,7 @@ from typing import Mapping, Sequence
 
 from tiderl_jax.agents import tasks
 from tiderl_jax.agents.env import Task
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.model import chat, vision
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.tokenizer import Tokenizer

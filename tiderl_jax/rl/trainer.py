@@ -49,7 +49,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tiderl_jax import interrupts
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.engine.buckets import bucket, pow2_buckets
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.model.decoder import Decoder

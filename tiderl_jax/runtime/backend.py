@@ -9,7 +9,7 @@ took. Two implement the same interface, so the simulator runs the controller's o
   on the train mesh, the reference scorer on the ref mesh, weight sync between them; wall-clock time.
   With `replicas="group"` it also hot-switches devices for BiDiRL (`lend` / `take_back`, `hot_switch.py`).
   With `rollout.agent` / `agent_command` the train samples come from external agents over the OpenAI API
-  (`serving/openai_api/external.py`: the service served on loopback, each sample one agent session).
+  (`agents/external.py`: the service served on loopback, each sample one agent session).
 - `sim.backend.SimBackend`: cost-modelled devices on a virtual clock.
 
 The interface (`Backend`): `clock()` is the controller's only time source; `pool` holds the device
@@ -32,7 +32,7 @@ import jax
 from flax import nnx
 
 from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.engine.engine import Engine, EngineConfig
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, local_replica, place_copy
@@ -110,7 +110,7 @@ class JaxBackend(HotSwitches):
             rollout_config, mode=kv_mode))  # "ctb" | "request" (ControllerConfig.kv_mode)
         self.agents = None  # external agents make the train samples (rollout.agent / agent_command)
         if rollout_config.agent or rollout_config.agent_command:
-            from tiderl_jax.serving.openai_api.external import ExternalAgents
+            from tiderl_jax.agents.external import ExternalAgents
             self.agents = ExternalAgents(rollout_config.agent, rollout_config.agent_command,
                                          rollout_config.agent_timeout_s, max_context=rollout_config.max_context)
         self.sync = WeightSync()

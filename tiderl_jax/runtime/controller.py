@@ -53,7 +53,7 @@ import numpy as np
 from tiderl_jax import distributed
 from tiderl_jax.agents import tasks as task_lib
 from tiderl_jax.agents.env import LatencyModel, Task
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError
 from tiderl_jax.policies import dynamic_sampling, ers, ra2p, staleness
 from tiderl_jax.runtime import health

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import pathlib
 
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.policies import routing
 from tiderl_jax.sim import costs, hardware, workloads
 

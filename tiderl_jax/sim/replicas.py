@@ -81,7 +81,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.policies import war
 from tiderl_jax.sim.config import SimTrajectory
 from tiderl_jax.sim.kv import _INF, KVModel, _bucket, _Replica, _Seq, _Waiter

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from typing import Sequence
 
-from tiderl_jax.agents.trajectory import Trajectory
+from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.sim import costs
 
 

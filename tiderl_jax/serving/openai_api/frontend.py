@@ -12,7 +12,7 @@ conversation the server keeps token-in / token-out. Its record holds the exact t
 `Trajectory`: prompt and tool / user tokens masked, the model's tokens with their behaviour log-probs and
 policy versions) and the messages as served. A request whose messages extend the served ones (the
 assistant's replies echoed back, then new tool / user messages) continues it: the new messages become
-`agents.rollout.continuation_ids` after the model's own sampled tokens, nothing is re-tokenized, and with
+`model.chat_template.continuation_ids` after the model's own sampled tokens, nothing is re-tokenized, and with
 `kv_mode="ctb"` the turn resumes on the replica that holds the session's KV (kept and pinned between calls;
 only the new tokens are prefilled). A request that rewrites the history starts the session's context over
 (`rewrites` counts it; the trajectory is the last consistent conversation). Sessions idle past
@@ -51,12 +51,11 @@ import secrets
 import time
 from typing import Callable, Sequence
 
-from tiderl_jax.agents.rollout import continuation_ids
-from tiderl_jax.agents.trajectory import Trajectory, Turn
+from tiderl_jax.trajectory import Trajectory, Turn
 from tiderl_jax.engine.engine import Engine, Request, SequenceOutput
 from tiderl_jax.engine.sampling import RequestError, SamplingParams
 from tiderl_jax.model import chat
-from tiderl_jax.model.chat_template import ChatTemplate
+from tiderl_jax.model.chat_template import ChatTemplate, continuation_ids
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.policies import routing
 from tiderl_jax.serving.openai_api import protocol as P

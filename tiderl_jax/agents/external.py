@@ -37,8 +37,8 @@ import shlex
 from typing import Any, Callable
 
 from tiderl_jax.agents.env import Task
-from tiderl_jax.agents.trajectory import Trajectory
-from tiderl_jax.data.rewards import ImportPathError, load_object
+from tiderl_jax.trajectory import Trajectory
+from tiderl_jax.import_path import ImportPathError, load_object
 from tiderl_jax.model.config import ConfigError
 
 log = logging.getLogger(__name__)
