@@ -70,7 +70,8 @@ class _Lab:
     def trainer(self, n: int, offset: int):
         from tiderl_jax.model.sharding import place_copy
         from tiderl_jax.rl.losses import LossConfig
-        from tiderl_jax.rl.trainer import Trainer, TrainerConfig
+        from tiderl_jax.rl.trainer import Trainer
+        from tiderl_jax.rl.trainer_config import TrainerConfig
         from tiderl_jax.runtime.devices import model_on
 
         key = (n, offset)
@@ -218,7 +219,8 @@ class _Lab:
         in memory, the persistent compile cache as it is (what `program_s` measures for the engine)."""
         from tiderl_jax.model.sharding import place_copy
         from tiderl_jax.rl.losses import LossConfig
-        from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
+        from tiderl_jax.rl.trainer import Scorer, Trainer
+        from tiderl_jax.rl.trainer_config import TrainerConfig
         from tiderl_jax.runtime.devices import model_on
 
         cfg = TrainerConfig(loss=LossConfig(), total_steps=1000, **TRAINER)
@@ -240,7 +242,8 @@ class _Lab:
 
     def ref_pass(self, n: int, offset: int, reps: int) -> tuple[float, int]:
         from tiderl_jax.rl.losses import LossConfig
-        from tiderl_jax.rl.trainer import Scorer, TrainerConfig
+        from tiderl_jax.rl.trainer import Scorer
+        from tiderl_jax.rl.trainer_config import TrainerConfig
         from tiderl_jax.runtime.devices import model_on
 
         if (n, offset) not in self._scorers:

@@ -93,7 +93,8 @@ from tiderl_jax.rl import evaluate, sft  # noqa: E402
 from tiderl_jax.rl.batch import num_micro_batches  # noqa: E402
 from tiderl_jax.rl.checkpoint import Checkpointer  # noqa: E402
 from tiderl_jax.rl.losses import LossConfig  # noqa: E402
-from tiderl_jax.rl.trainer import Trainer, TrainerConfig  # noqa: E402
+from tiderl_jax.rl.trainer import Trainer  # noqa: E402
+from tiderl_jax.rl.trainer_config import TrainerConfig  # noqa: E402
 from tiderl_jax.runtime.controller import Controller, ControllerConfig  # noqa: E402
 
 MODEL = ModelConfig(arch="qwen3", vocab_size=384, hidden_size=128, intermediate_size=384, num_layers=4,

@@ -60,7 +60,8 @@ from tiderl_jax.model.tokenizer import Tokenizer  # noqa: E402
 from tiderl_jax.rl.evaluate import heldout_reward, sample_groups  # noqa: E402
 from tiderl_jax.rl.losses import LossConfig  # noqa: E402
 from tiderl_jax.rl.sft import train_tasks, warm_start  # noqa: E402
-from tiderl_jax.rl.trainer import Trainer, TrainerConfig  # noqa: E402
+from tiderl_jax.rl.trainer import Trainer  # noqa: E402
+from tiderl_jax.rl.trainer_config import TrainerConfig  # noqa: E402
 
 TASK = "calculator"
 MODEL = ModelConfig(arch="qwen3", vocab_size=384, hidden_size=128, intermediate_size=512, num_layers=4,

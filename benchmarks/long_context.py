@@ -70,7 +70,8 @@ from tiderl_jax.model.config import ModelConfig  # noqa: E402
 from tiderl_jax.model.decoder import init_decoder  # noqa: E402
 from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model  # noqa: E402
 from tiderl_jax.rl.longstraw import longstraw_grad, standard_grad, tree_cosine  # noqa: E402
-from tiderl_jax.rl.trainer import Trainer, TrainerConfig  # noqa: E402
+from tiderl_jax.rl.trainer import Trainer  # noqa: E402
+from tiderl_jax.rl.trainer_config import TrainerConfig  # noqa: E402
 
 MODEL = ModelConfig(arch="qwen3", vocab_size=384, hidden_size=128, intermediate_size=384, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=64, qk_norm=True, max_position_embeddings=8192)

@@ -55,7 +55,8 @@ from tiderl_jax.agents.env import LatencyModel  # noqa: E402
 from tiderl_jax.engine.engine import EngineConfig  # noqa: E402
 from tiderl_jax.engine.sampling import SamplingParams  # noqa: E402
 from tiderl_jax.faults.engine_worker import EngineClient, ParamService, WorkerSpec  # noqa: E402
-from tiderl_jax.faults.env_worker import CheckpointConfig, CheckpointingEnv, EnvRewound  # noqa: E402
+from tiderl_jax.agents.env import EnvRewound  # noqa: E402
+from tiderl_jax.faults.env_recovery import CheckpointConfig, CheckpointingEnv  # noqa: E402
 from tiderl_jax.model import chat  # noqa: E402
 from tiderl_jax.model.config import ModelConfig  # noqa: E402
 from tiderl_jax.model.decoder import init_decoder  # noqa: E402
@@ -196,7 +197,7 @@ def _controller_run(ft: str, steps: int, skip: int, logdir: str) -> tuple[float,
     """(seconds per update, goodput tokens/s over updates skip+1..steps, samples unaccounted for)."""
     from tiderl_jax.agents.rollout import RolloutConfig
     from tiderl_jax.model.tokenizer import Tokenizer
-    from tiderl_jax.rl.trainer import TrainerConfig
+    from tiderl_jax.rl.trainer_config import TrainerConfig
     from tiderl_jax.runtime.controller import Controller, ControllerConfig
     cfg = ControllerConfig(mode="async", steps=steps, groups_per_step=4, group_size=4, max_concurrent=32,
                            task_kinds=("calculator",), device_group_size=2, rollout_groups=2, ref_groups=0,

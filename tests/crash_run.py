@@ -17,7 +17,7 @@ from tiderl_jax.engine.engine import EngineConfig  # noqa: E402
 from tiderl_jax.model.config import ModelConfig  # noqa: E402
 from tiderl_jax.model.decoder import init_decoder  # noqa: E402
 from tiderl_jax.model.tokenizer import Tokenizer  # noqa: E402
-from tiderl_jax.rl.trainer import TrainerConfig  # noqa: E402
+from tiderl_jax.rl.trainer_config import TrainerConfig  # noqa: E402
 from tiderl_jax.runtime.controller import Controller, ControllerConfig  # noqa: E402
 
 CFG = ModelConfig(arch="qwen3", vocab_size=384, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -92,7 +92,7 @@ def borrows(cluster, logdir: str) -> dict:
     from tiderl_jax.model.decoder import init_decoder
     from tiderl_jax.model.tokenizer import Tokenizer
     from tiderl_jax.policies import bidirl
-    from tiderl_jax.rl.trainer import TrainerConfig
+    from tiderl_jax.rl.trainer_config import TrainerConfig
     from tiderl_jax.runtime.controller import Controller, ControllerConfig
 
     def forced(s):  # process 0 makes every borrow it considers

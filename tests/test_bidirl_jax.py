@@ -20,7 +20,7 @@ from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.policies import bidirl
 from tiderl_jax.rl.losses import LossConfig
-from tiderl_jax.rl.trainer import TrainerConfig
+from tiderl_jax.rl.trainer_config import TrainerConfig
 from tiderl_jax.runtime.backend import JaxBackend
 from tiderl_jax.runtime.controller import Controller, ControllerConfig
 from tiderl_jax.runtime.pool import DevicePool

@@ -16,7 +16,7 @@ from tiderl_jax.model.config import ConfigError, ModelConfig
 from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.rl.losses import LossConfig
-from tiderl_jax.rl.trainer import TrainerConfig, lr_schedule
+from tiderl_jax.rl.trainer_config import TrainerConfig, lr_schedule
 from tiderl_jax.runtime import health
 from tiderl_jax.runtime.controller import Controller, ControllerConfig
 from tiderl_jax.runtime.group import Group

@@ -30,7 +30,7 @@ ENGINE = EngineConfig(page_size=16, num_pages=512, max_seq_len=1024, max_running
 @pytest.mark.e2e
 def test_a_training_run_trains_on_exactly_the_tokens_served_to_the_agent(tmp_path, monkeypatch):
     from tiderl_jax.rl.losses import LossConfig
-    from tiderl_jax.rl.trainer import TrainerConfig
+    from tiderl_jax.rl.trainer_config import TrainerConfig
     from tiderl_jax.runtime.controller import Controller, ControllerConfig
 
     cfg = ControllerConfig(mode="async", steps=2, groups_per_step=2, group_size=2, max_concurrent=4,

@@ -18,7 +18,7 @@ from tiderl_jax.model.config import ModelConfig
 from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.rl.losses import LossConfig
-from tiderl_jax.rl.trainer import TrainerConfig
+from tiderl_jax.rl.trainer_config import TrainerConfig
 from tiderl_jax.runtime import controller as controller_lib
 from tiderl_jax.runtime.controller import Controller, ControllerConfig
 from tiderl_jax.sim.backend import SimConfig

@@ -14,15 +14,9 @@ import pytest
 
 from tiderl_jax.agents import tasks as T
 from tiderl_jax.agents.env import LatencyModel, Task
-from tiderl_jax.faults.env_worker import (
-    CheckpointConfig,
-    CheckpointingEnv,
-    EnvError,
-    EnvRewound,
-    EnvWorker,
-    restore_env,
-    snapshot_env,
-)
+from tiderl_jax.agents.env import EnvRewound
+from tiderl_jax.faults.env_recovery import CheckpointConfig, CheckpointingEnv
+from tiderl_jax.faults.env_worker import EnvError, EnvWorker, restore_env, snapshot_env
 from tiderl_jax.faults.errors import (
     SnapshotError,
     TaskDropped,
@@ -280,7 +274,7 @@ def test_belayer_rule_decides_the_checkpoints():
 
 
 def test_env_pool_reuses_live_processes_and_drops_dead_ones():
-    from tiderl_jax.faults.env_worker import EnvPool
+    from tiderl_jax.faults.env_recovery import EnvPool
     pool = EnvPool(T.TaskEnvFactory(LatencyModel(0.0, 0.0)))
     task_a, task_b = T.make_task("calculator", 0), T.make_task("lookup", 1)
 
@@ -307,7 +301,7 @@ def test_env_pool_reuses_live_processes_and_drops_dead_ones():
 
 
 def test_env_pool_prestart_and_pushed_snapshots():
-    from tiderl_jax.faults.env_worker import EnvPool
+    from tiderl_jax.faults.env_recovery import EnvPool
     pool = EnvPool(T.TaskEnvFactory(LatencyModel(0.0, 0.0)), CheckpointConfig(mode="always"))
     pool.prestart(2)
     assert pool.created == 2 and len(pool._free) == 2

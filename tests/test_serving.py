@@ -260,7 +260,7 @@ class ParityEnv:
 
 def _controller(tmp_path, mode="tiderl", **kw):
     from tiderl_jax.rl.losses import LossConfig
-    from tiderl_jax.rl.trainer import TrainerConfig
+    from tiderl_jax.rl.trainer_config import TrainerConfig
     from tiderl_jax.runtime.controller import Controller, ControllerConfig
 
     cfg = ControllerConfig(mode=mode, **{**dict(steps=2, groups_per_step=2, group_size=2, max_concurrent=8,

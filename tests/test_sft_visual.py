@@ -16,7 +16,8 @@ from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.tokenizer import IMAGE_TOKEN, Tokenizer
 from tiderl_jax.model.vision import check_images, patchify
 from tiderl_jax.rl import sft
-from tiderl_jax.rl.trainer import Trainer, TrainerConfig
+from tiderl_jax.rl.trainer import Trainer
+from tiderl_jax.rl.trainer_config import TrainerConfig
 
 TOK = Tokenizer.builtin()
 IMG = TOK.token_id(IMAGE_TOKEN)

@@ -16,7 +16,8 @@ from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model
 from tiderl_jax.rl import shared_prompt
 from tiderl_jax.rl.longstraw import tree_cosine
 from tiderl_jax.rl.losses import LossConfig
-from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
+from tiderl_jax.rl.trainer import Scorer, Trainer
+from tiderl_jax.rl.trainer_config import TrainerConfig
 
 CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, dtype="float32")

@@ -15,7 +15,9 @@ from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model
 from tiderl_jax.rl.batch import pack
 from tiderl_jax.rl.losses import LossConfig
-from tiderl_jax.rl.trainer import Trainer, TrainerConfig, group_advantages, lr_schedule, token_logprobs
+from tiderl_jax.rl.advantages import group_advantages
+from tiderl_jax.rl.trainer import Trainer, token_logprobs
+from tiderl_jax.rl.trainer_config import TrainerConfig, lr_schedule
 
 CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, dtype="float32")
@@ -248,7 +250,7 @@ def test_bad_trainer_configs_are_named():
 
 
 def test_ppo_with_gae_trains_the_value_head_and_matches_a_hand_computed_return():
-    from tiderl_jax.rl.trainer import gae_advantages
+    from tiderl_jax.rl.advantages import gae_advantages
 
     cfg = _config(loss=LossConfig(advantage_estimator="gae", gamma=1.0, lam=1.0, kl_coef=0.0))
     trainer = Trainer(init_decoder(CFG, seed=10), cfg)

@@ -21,7 +21,8 @@ from tiderl_jax.model.decoder import init_decoder
 from tiderl_jax.model.tokenizer import IMAGE_TOKEN, Tokenizer
 from tiderl_jax.model.vision import check_images, dense_inputs, patchify
 from tiderl_jax.rl.batch import pack
-from tiderl_jax.rl.trainer import Trainer, TrainerConfig, token_logprobs
+from tiderl_jax.rl.trainer import Trainer, token_logprobs
+from tiderl_jax.rl.trainer_config import TrainerConfig
 
 TOK = Tokenizer.builtin()
 PATCH = 4

@@ -81,7 +81,7 @@ def main_job_sections(c: ConfigDict, *, logdir: str) -> ConfigDict:
     from tiderl_jax.agents.rollout import RolloutConfig
     from tiderl_jax.engine.engine import EngineConfig
     from tiderl_jax.rl.losses import LossConfig
-    from tiderl_jax.rl.trainer import TrainerConfig
+    from tiderl_jax.rl.trainer_config import TrainerConfig
     from tiderl_jax.runtime.controller_config import ControllerConfig
 
     c.logdir = logdir
@@ -277,7 +277,7 @@ def rl_configs(c: ConfigDict):
     from tiderl_jax.agents.rollout import RolloutConfig
     from tiderl_jax.engine.engine import EngineConfig
     from tiderl_jax.rl.losses import LossConfig, from_config_dict
-    from tiderl_jax.rl.trainer import TrainerConfig
+    from tiderl_jax.rl.trainer_config import TrainerConfig
     from tiderl_jax.runtime.controller import ControllerConfig
 
     def typed(section, cls, build, renames=None):

@@ -113,7 +113,7 @@ class EnvRewound(Exception):
     """Raised by an environment's `step` when it failed and came back at an earlier turn (restored
     from a checkpoint, or reset: turn 0). `turn` counts the environment steps the restored state has
     answered; the rollout cuts its trajectory back to just after that step's observation and
-    generates from there (`faults/env_worker.py`'s `CheckpointingEnv` raises it)."""
+    generates from there (`faults/env_recovery.py`'s `CheckpointingEnv` raises it)."""
 
     def __init__(self, turn: int, observation=None, attempt: int = 1, cause: Exception | None = None):
         super().__init__(f"environment rewound to turn {turn} (recovery {attempt}): {cause!r}")

@@ -35,10 +35,14 @@ sequence from the sequence reward for the group estimators.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tiderl_jax.model.config import ConfigError
+from tiderl_jax.rl.batch import PackedBatch
 from tiderl_jax.rl.losses import ADVANTAGE_ESTIMATORS, LossConfig, kl_estimate
 
 
@@ -170,3 +174,44 @@ def compute_advantages(config: LossConfig, rewards: jax.Array, mask: jax.Array, 
         rewards = rewards - penalty.sum(axis=-1).reshape(rewards.shape)
     advantages = GROUP_ESTIMATORS[name](rewards, valid, config)
     return broadcast_to_tokens(advantages, mask), None
+
+
+def group_advantages(cfg: LossConfig, rewards: Sequence[float], groups: Sequence[int]) -> np.ndarray:
+    """One advantage per sequence from its reward and GRPO group (groups may be ragged)."""
+    names = sorted(set(groups))
+    index = {g: i for i, g in enumerate(names)}
+    size = max((list(groups).count(g) for g in names), default=1)
+    table = np.zeros((len(names), size), np.float32)
+    valid = np.zeros((len(names), size), bool)
+    slot = [0] * len(names)
+    where = []
+    for r, g in zip(rewards, groups):
+        i = index[g]
+        table[i, slot[i]], valid[i, slot[i]] = r, True
+        where.append((i, slot[i]))
+        slot[i] += 1
+    adv = np.asarray(GROUP_ESTIMATORS[cfg.advantage_estimator](jnp.asarray(table), jnp.asarray(valid), cfg))
+    return np.asarray([adv[i, j] for i, j in where], np.float32)
+
+
+def gae_advantages(cfg: LossConfig, packed: PackedBatch, rewards: np.ndarray):
+    """Per-token GAE advantages and returns of a packed batch (the critic's `old_values` in it): each
+    sequence is laid out alone in a row (`advantages.gae` is one sequence per row), its reward on its
+    last trained token, and the results are put back at the sequence's place in the packed arrays."""
+    n, length = len(packed.placements), packed.arrays["mask"].shape[-1]
+    rows = 1 << max(0, (n - 1).bit_length())  # a power of two: few compiled shapes
+    mask, values = np.zeros((rows, length), np.float32), np.zeros((rows, length), np.float32)
+    for j, (_, _, _, size) in enumerate(packed.placements):
+        mask[j, :size] = packed.per_token("mask", j)
+        values[j, :size] = packed.per_token("old_values", j)
+    token_rewards = token_level_rewards(jnp.asarray(np.pad(rewards, (0, rows - n))), jnp.asarray(mask))
+    adv, ret = _gae(token_rewards, jnp.asarray(values), jnp.asarray(mask), gamma=cfg.gamma, lam=cfg.lam)
+    adv, ret = np.asarray(adv), np.asarray(ret)
+    out_adv, out_ret = np.zeros_like(packed.arrays["mask"]), np.zeros_like(packed.arrays["mask"])
+    for j, (m, r, start, size) in enumerate(packed.placements):
+        out_adv[m, r, start:start + size] = adv[j, :size]
+        out_ret[m, r, start:start + size] = ret[j, :size]
+    return out_adv, out_ret
+
+
+_gae = jax.jit(gae, static_argnames=("gamma", "lam"))

@@ -38,7 +38,8 @@ from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, local_replica, place_copy
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.policies import routing
-from tiderl_jax.rl.trainer import Scorer, Trainer, TrainerConfig
+from tiderl_jax.rl.trainer import Scorer, Trainer
+from tiderl_jax.rl.trainer_config import TrainerConfig
 from tiderl_jax.runtime.devices import WeightSync, model_on
 from tiderl_jax.runtime.hot_switch import HotSwitches
 from tiderl_jax.runtime.pool import Backend, DevicePool, group_mesh, lanes_of, split_devices  # noqa: F401

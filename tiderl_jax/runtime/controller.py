@@ -70,7 +70,7 @@ if TYPE_CHECKING:  # the JAX side is imported only when a JaxBackend is built (t
     from tiderl_jax.engine.engine import EngineConfig
     from tiderl_jax.model.decoder import Decoder
     from tiderl_jax.model.tokenizer import Tokenizer
-    from tiderl_jax.rl.trainer import TrainerConfig
+    from tiderl_jax.rl.trainer_config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Controller(Boundaries, Borrowing, Multihost):
         self.latency = latency
         self._make_env = make_env or task_lib.TaskEnvFactory(latency)
         if config.env_workers:
-            from tiderl_jax.faults.env_worker import CheckpointConfig, EnvPool
+            from tiderl_jax.faults.env_recovery import CheckpointConfig, EnvPool
             checkpoint = CheckpointConfig(mode=config.env_checkpoint, p_fail=config.env_p_fail,
                                           max_retries=config.env_max_retries,
                                           step_timeout_s=config.env_step_timeout_s)

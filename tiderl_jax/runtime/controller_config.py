@@ -52,7 +52,7 @@ class ControllerConfig:
     # `groups_per_step` informative groups; after `filter_groups_limit` such groups in a row the run stops, named
     filter_groups: bool = False
     filter_groups_limit: int = 64
-    # Belayer (faults/env_worker.py): each environment in a subprocess, checkpointed at turn
+    # Belayer (faults/env_recovery.py): each environment in a subprocess, checkpointed at turn
     # boundaries by the cost rule; a crash restores and rewinds (or redoes from turn 0) within
     # `env_max_retries`, then the sample is dropped with its reason
     env_workers: bool = False
