@@ -1,6 +1,7 @@
 """Configs: typed model configs, HF config layouts, presets, and clear errors for bad keys and values."""
 
 import importlib.util
+import os
 
 import pytest
 from ml_collections import ConfigDict
@@ -194,3 +195,17 @@ def test_keys_off_by_default_reach_the_typed_configs_set_or_unset(monkeypatch):
         config_lib.check_overrides(["x", "--config.loss.dual_clip=abc"], "configs/tiny_agentic.py")
     with pytest.raises(ConfigError, match="config.model.rope_scaling is unset"):
         config_lib.check_overrides(["x", "--config.model.rope_scaling.factor=2"], "configs/tiny_agentic.py")
+
+
+def test_remat_on_the_cpu_takes_xla_s_memory_minimising_scheduler(monkeypatch):
+    """With trainer.remat on, the platform settings ask XLA:CPU for the scheduler that keeps remat's saving (its
+    default runs every layer's recomputation up front: benchmarks/remat.py); without it, nothing is added."""
+    c = config_lib.load_config_file(str(ROOT / "configs" / "tiny_agentic.py"))
+    c.cpu_devices = 0  # this process's backend has started: its device count stays
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    assert config_lib.apply_platform_settings(c) == "cpu"
+    assert os.environ["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+    c.trainer.remat = "full"
+    config_lib.apply_platform_settings(c)
+    config_lib.apply_platform_settings(c)  # added once
+    assert os.environ["XLA_FLAGS"] == "--xla_backend_optimization_level=0 " + config_lib.CPU_MEMORY_SCHEDULER

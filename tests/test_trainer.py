@@ -11,7 +11,7 @@ from flax import nnx
 
 from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.model.config import ConfigError, ModelConfig
-from tiderl_jax.model.decoder import init_decoder
+from tiderl_jax.model.decoder import REMAT_POLICIES, init_decoder
 from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model
 from tiderl_jax.rl.batch import pack
 from tiderl_jax.rl.losses import LossConfig
@@ -414,3 +414,38 @@ def test_rows_sized_to_the_batch_give_the_update_of_full_rows(aggregation):
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["tokens_real"] == b["tokens_real"]
     for x, y in zip(_params(sized), _params(full)):  # (Adam's first step divides by |g|: float noise shows)
         np.testing.assert_allclose(x, y, atol=2e-5)
+
+
+def _residual_bytes(model, tokens) -> int:
+    """The bytes the backward pass of a full-sequence forward keeps from it (the leaves of jax.vjp's function)."""
+    graphdef, params = nnx.split(model)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+    def loss(p):
+        return nnx.merge(graphdef, p)(tokens, positions, segment_ids=jnp.ones_like(tokens))[0].sum()
+    _, backward = jax.vjp(loss, params)
+    return sum(x.nbytes for x in jax.tree.leaves(backward))
+
+
+def test_rematerialised_layers_give_the_same_gradients_and_keep_less():
+    """trainer.remat: every policy's gradient equals the plain one's (the same forward, recomputed), and each
+    keeps less of the forward for the backward than none (full the least); the engine's cached mode ignores it."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 64)), jnp.int32)
+    kept, grads = {}, {}
+    for name in REMAT_POLICIES:
+        trainer = Trainer(init_decoder(CFG, seed=4), _config(remat=name))
+        grads[name] = [np.asarray(x) for x in jax.tree.leaves(trainer.gradients(TRAJS)["gradients"])]
+        kept[name] = _residual_bytes(trainer.model(), tokens)
+    for name in REMAT_POLICIES:
+        for a, b in zip(grads[name], grads["none"]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert kept["full"] == min(kept.values()) and all(kept[n] < kept["none"] for n in REMAT_POLICIES if n != "none")
+    assert kept["full"] < kept["none"] / 5, kept
+    model = init_decoder(CFG, seed=4)
+    model.remat = "full"
+    plain = init_decoder(CFG, seed=4)
+    np.testing.assert_array_equal(model(tokens, jnp.broadcast_to(jnp.arange(64), tokens.shape))[0],
+                                  plain(tokens, jnp.broadcast_to(jnp.arange(64), tokens.shape))[0])
+    with pytest.raises(ConfigError, match="remat='some' is not one of"):
+        _config(remat="some")
+

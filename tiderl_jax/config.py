@@ -515,6 +515,10 @@ def choose_platform(found, requested: str = "") -> str:
     raise ConfigError("JAX found no device at all (not even the CPU); is jax installed?")
 
 
+# XLA:CPU's memory-minimising scheduler in place of its concurrency-optimised default (with `trainer.remat`)
+CPU_MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
 def apply_platform_settings(c: ConfigDict) -> str:
     """The one place a launch script's platform is settled (call at the top of `main`, before any other
     use of JAX): the CPU default's faked device count (`cpu_devices`; the CPU only, and only unless
@@ -527,6 +531,13 @@ def apply_platform_settings(c: ConfigDict) -> str:
 
     if c.get("cpu_devices", 0) and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", int(c.cpu_devices))
+    trainer = c.get("trainer", None)
+    if trainer is not None and trainer.get("remat", "none") != "none" and CPU_MEMORY_SCHEDULER.split("=")[0] \
+            not in os.environ.get("XLA_FLAGS", ""):
+        # XLA:CPU's default scheduler orders for concurrency and runs every layer's recomputation up front,
+        # which keeps what rematerialisation frees (benchmarks/remat.py); the CPU's own flag, read when
+        # its backend starts (below)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_MEMORY_SCHEDULER).strip()
     found, errors = [], []
     for platform in PLATFORMS:
         try:

@@ -31,8 +31,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from tiderl_jax.model.config import ModelConfig
+
+
+# Rematerialisation of the decoder layers in the full-sequence mode (training; `trainer.remat`): which of a layer's
+# intermediate values the backward pass keeps, the rest recomputed from the layer's input. JAX's checkpoint
+# policies under the names MaxText and kin use: "full" keeps nothing (the least memory: each layer's forward runs
+# twice), "dots_saveable" keeps every matmul's output, "dots_with_no_batch_dims_saveable" the ones without a
+# batch dimension (the projections, not attention's scores), "save_out_proj" only the attention and MLP blocks'
+# outputs (`checkpoint_name`d below). "none" keeps everything (no rematerialisation).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_out_proj": jax.checkpoint_policies.save_only_these_names("attention_out", "mlp_out"),
+}
 
 
 def _dtype(name: str):
@@ -308,8 +324,8 @@ class Block(nnx.Module):
     def __call__(self, x, positions, inv_freq, mask=None, cache=None, layer_index=0, constrain=None):
         h, new_kv = self.attn(self.input_norm(x), positions, inv_freq, mask, cache, layer_index,
                               constrain)
-        x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
+        x = x + checkpoint_name(h, "attention_out")
+        x = x + checkpoint_name(self.mlp(self.post_attn_norm(x)), "mlp_out")
         if constrain is not None:
             x = constrain(x, ("batch", "seq", None))
         return x, new_kv
@@ -327,6 +343,8 @@ class Decoder(nnx.Module):
         # Set when the model is placed on a mesh (sharding.py): a static (mesh, rules) callable
         # that pins activations to their logical layout; None on a single device.
         self.activation_sharding = None
+        # `REMAT_POLICIES`' name for the full-sequence mode, set by the trainer (`trainer.remat`); static
+        self.remat = "none"
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
@@ -375,8 +393,15 @@ class Decoder(nnx.Module):
         elif segment_ids is not None:
             raise ValueError("segment_ids apply to the full-sequence mode, not the cached mode")
         layer_states = []
+        policy = REMAT_POLICIES[self.remat] if cache is None else None
         for i, layer in enumerate(self.layers):
-            x, state = layer(x, positions, inv_freq, mask, cache, i, constrain)
+            if self.remat != "none" and cache is None:  # the layer as a pure function of its weights and input
+                graphdef, weights = nnx.split(layer)
+                x, state = jax.checkpoint(
+                    lambda w, h, g=graphdef, i=i: nnx.merge(g, w)(h, positions, inv_freq, mask, None, i, constrain),
+                    policy=policy)(weights, x)
+            else:
+                x, state = layer(x, positions, inv_freq, mask, cache, i, constrain)
             layer_states.append(state)
         x = self.final_norm(x)
         new_cache = None

@@ -223,6 +223,7 @@ class Trainer:
                  mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES, ref_params=None):
         self.config = config
         self.mesh, self.rules = mesh, rules
+        model.remat = config.remat  # the train step's layers (the full-sequence mode only)
         self.graphdef, params = nnx.split(model)
         # Our own copy: the train step donates its parameters, which must not be the caller's.
         self.params = place_copy(params, jax.tree.map(lambda x: x.sharding, params))

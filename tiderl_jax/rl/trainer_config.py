@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from tiderl_jax.model.config import ConfigError
+from tiderl_jax.model.decoder import REMAT_POLICIES
 from tiderl_jax.rl import losses, shared_prompt
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -50,6 +51,10 @@ class TrainerConfig:
     # holds the prompt state constant (the paper's mode); "off" packs every sample as a full sequence.
     shared_prompt: str = "off"
     shared_prompt_min_tokens: int = 256
+    # rematerialisation of the decoder layers in the train step (`model/decoder.py`'s REMAT_POLICIES: "none",
+    # "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_out_proj"): less activation memory for
+    # a recomputed forward; the gradients are the same (`Trainer.memory_plan` measures the memory)
+    remat: str = "none"
 
     def __post_init__(self):
         problems = []
@@ -65,6 +70,8 @@ class TrainerConfig:
             problems.append(f"end_lr_ratio={self.end_lr_ratio} must be in [0, 1]")
         if not 0 <= self.warmup_steps < self.total_steps:
             problems.append(f"warmup_steps={self.warmup_steps} must be in [0, total_steps={self.total_steps})")
+        if self.remat not in REMAT_POLICIES:
+            problems.append(f"remat={self.remat!r} is not one of {tuple(REMAT_POLICIES)}")
         if self.recompute_proximal not in RECOMPUTE:
             problems.append(f"recompute_proximal={self.recompute_proximal!r} is not one of {RECOMPUTE}")
         if self.shared_prompt not in shared_prompt.MODES:
