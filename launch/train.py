@@ -303,6 +303,7 @@ def main(argv):
 
 def _main(cfg):
     from tiderl_jax.run_report import Phases
+    from tiderl_jax.runtime import memory
     from tiderl_jax.run_state import RunState, write_config
 
     phases = Phases()
@@ -312,6 +313,7 @@ def _main(cfg):
     try:  # every check that needs no model, then the model
         platform = config_lib.apply_platform_settings(cfg)
         config_lib.check_main_job(cfg)
+        memory.check_fits(cfg, platform)  # a GPU's or TPU's memory, before any weight is loaded
         if cluster.multi and cfg.warm_start == "scratch":
             raise ConfigError("warm_start='scratch' runs on one process: run launch/sft.py there first, then "
                               "this job with warm_start='checkpoint' and checkpoint=<its output>")

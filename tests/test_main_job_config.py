@@ -280,3 +280,47 @@ def test_a_raised_step_budget_continues_a_finished_run(tmp_path, monkeypatch):
     state = json.loads((tmp_path / "run_state.json").read_text())
     assert "finished" not in state and "heldout_after" not in state and "heldout_before" in state
     assert json.loads((tmp_path / "config.json").read_text())["controller"]["steps"] == 5
+
+
+def test_a_config_that_does_not_fit_the_devices_memory_is_refused_naming_the_keys():
+    """On a GPU or TPU the main job checks its train step and a rollout replica against the device's memory
+    before loading weights (runtime/memory.py; on the CPU only with a limit given, as here)."""
+    import numpy as np
+
+    from tiderl_jax.runtime import memory
+
+    c = config_lib.load_config_file(str(ROOT / "configs" / "tiny_agentic.py"))
+    controller, trainer, engine, _, _ = config_lib.rl_configs(c)
+    model, rules = config_lib.model_config(c), config_lib.sharding_rules(c)
+    train = memory.train_step_bytes(model, trainer, controller, rules)
+    kv, weights = memory.engine_bytes(model, engine, controller, rules)
+    assert controller.device_group_size == 1  # a replica on one device: its pool and weights whole
+    assert kv == 2 * model.num_layers * engine.num_pages * model.num_kv_heads * engine.page_size * model.head_dim * \
+        np.dtype(model.dtype).itemsize
+    assert weights == np.dtype(model.param_dtype).itemsize * model.num_params
+    assert train > 3 * weights  # the weights, their gradient and both Adam moments at least
+    memory.check_fits(c, "cpu", limit=max(train, kv + weights) + 1)  # fits: nothing raised
+    memory.check_fits(c, "cpu")  # the CPU: not checked
+    with pytest.raises(ConfigError, match=r"the train step needs .* set trainer.remat=full, lower trainer.micro_rows"):
+        memory.check_fits(c, "cpu", limit=train - 1)
+    c.engine.num_pages = engine.num_pages * (train // kv + 2)  # a pool larger than the train step
+    kv, weights = memory.engine_bytes(model, config_lib.rl_configs(c)[2], controller, rules)
+    with pytest.raises(ConfigError, match=r"a rollout replica needs .* lower engine.num_pages"):
+        memory.check_fits(c, "cpu", limit=kv + weights - 1)
+
+
+def test_a_deep_models_train_step_plan_is_the_line_through_two_shallow_compiles():
+    """runtime/memory.py plans a deep model's update from compiles at 4 and 8 layers (a whole-depth compile takes
+    minutes on a CPU): on a 12-layer model the line's value is the whole compile's, within 2%."""
+    import dataclasses
+
+    from tiderl_jax.runtime import memory
+
+    c = config_lib.load_config_file(str(ROOT / "configs" / "tiny_agentic.py"))
+    controller, trainer, _, _, _ = config_lib.rl_configs(c)
+    model = dataclasses.replace(config_lib.model_config(c), num_layers=12)
+    trainer = dataclasses.replace(trainer, row_len=256, micro_rows=2)
+    rules = config_lib.sharding_rules(c)
+    line = memory.train_step_bytes(model, trainer, controller, rules)
+    whole = memory.train_step_bytes(model, trainer, controller, rules, exact=True)
+    assert abs(line - whole) <= 0.02 * whole, (line, whole)

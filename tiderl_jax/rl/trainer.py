@@ -51,7 +51,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiderl_jax import interrupts
 from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.engine.buckets import bucket, pow2_buckets
-from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.model.config import ModelConfig
+from tiderl_jax.model.decoder import Decoder, init_decoder
 from tiderl_jax.model.sharding import (DEFAULT_RULES, ActivationSharding, Rules, from_host, host_value, place_copy,
                                        put, spec_for, state_shardings)
 from tiderl_jax.rl import losses, shared_prompt
@@ -202,6 +203,57 @@ def _train_program(graphdefs, tx, cfg: TrainerConfig, kind: str, params, opt_sta
     return keep(new_params, params), keep(new_opt_state, opt_state), metrics
 
 
+def batch_shardings(batch: dict, mesh: Mesh, rules: Rules) -> dict:
+    """A packed batch's shardings: [micro-batches, rows, tokens(, features)] rows over the batch axes, tokens over
+    the sequence axis; scalars (the step's counts) replicated."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    names = (None, "batch", "seq", None)  # patches have a trailing feature axis
+    return {k: rep if np.ndim(v) == 0 else NamedSharding(mesh, spec_for(np.shape(v), names[:np.ndim(v)], rules, mesh))
+            for k, v in batch.items()}
+
+
+def step_memory(model_cfg: ModelConfig, config: TrainerConfig, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
+                kind: str = "rl"):
+    """XLA's memory analysis (per device) of one update's program on a micro-batch of `micro_rows` full rows of
+    `row_len` tokens, the optimizer update included (`kind="gradients"`: up to the gradient, the program
+    `Trainer.memory_plan` compiles), compiled for `mesh` from abstract weights: nothing is allocated, so a model
+    larger than this machine is planned here (`benchmarks/memory_plan.py`; `check_fits` at start-up)."""
+    model = nnx.eval_shape(lambda: init_decoder(model_cfg, seed=0))
+    model.remat = config.remat
+    model.activation_sharding = ActivationSharding(mesh, rules)
+    graphdef, state = nnx.split(model)
+    params = jax.tree.unflatten(jax.tree.structure(state), [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        for x, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings(state, mesh, rules)))])
+    tx = make_optimizer(config)
+    ps = jax.tree.map(lambda x: x.sharding, params)
+    os_ = opt_state_shardings(tx, params, ps, mesh)
+    opt_state = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                             jax.eval_shape(tx.init, params), os_)
+    trajectories = _warmup_trajectories(1, config)
+    packed = pack(trajectories, row_len=config.row_len, micro_rows=config.micro_rows)
+    arrays = dict(packed.arrays, advantages=np.zeros_like(packed.arrays["mask"]), num_tokens=np.float32(1),
+                  num_sequences=np.float32(len(trajectories)))
+    shardings = batch_shardings(arrays, mesh, rules)
+    batch = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=shardings[k])
+             for k, v in arrays.items()}
+    rep = NamedSharding(mesh, PartitionSpec())
+    fn = functools.partial(_train_program, (graphdef, None), tx, _fixed_norm(config), kind)
+    program = jax.jit(fn, in_shardings=(ps, os_, shardings, []),
+                      out_shardings=(ps, rep) if kind == "gradients" else (ps, os_, rep),
+                      donate_argnums=() if kind == "gradients" else (0, 1))
+    return program.lower(params, opt_state, batch, []).compile().memory_analysis()
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, trainable, shardings, mesh: Mesh):
+    """The optimizer state's shardings on `mesh`: each copy of the parameter tree in it (Adam's moments) laid out
+    as the parameters are (`shardings`), the rest (counts) replicated. Left to XLA, a moment initialised from
+    zeros comes out replicated: every device would hold both moments of the whole model."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_utils.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, trainable),
+                                            shardings, transform_non_params=lambda _: rep)
+
+
 def _same_layout_on(x: jax.Array, mesh: Mesh) -> NamedSharding:
     """x's partitioning carried over to `mesh`, dropping mesh axes that no longer divide its dims
     (optimizer moments follow their parameters; scalars stay replicated)."""
@@ -242,12 +294,9 @@ class Trainer:
                                                    state_shardings(self.value_params, mesh, rules))
         self.tx = make_optimizer(config)
         self.schedule = lr_schedule(config)
-        self.opt_state = jax.jit(self.tx.init)(self._trainable())
-        if mesh is not None:  # scalars (Adam's count) come out on one device: replicate them
-            rep = NamedSharding(mesh, PartitionSpec())
-            self.opt_state = jax.tree.map(
-                lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-                else put(x, rep), self.opt_state)
+        trainable = self._trainable()
+        self.opt_state = jax.jit(self.tx.init, out_shardings=None if mesh is None else opt_state_shardings(
+            self.tx, trainable, self._shardings(trainable), mesh))(trainable)
         self.step_count = 0
         self.skipped_steps = 0
         # the policy version the parameters are (the engine tags each sampled token with its weights' version):
@@ -300,13 +349,7 @@ class Trainer:
         return jax.tree.map(lambda x: x.sharding, tree)
 
     def _batch_sharding(self, batch: dict):
-        if self.mesh is None:
-            return None
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        names = (None, "batch", "seq", None)  # patches have a trailing feature axis
-        return {k: rep if np.ndim(v) == 0 else NamedSharding(
-            self.mesh, spec_for(np.shape(v), names[:np.ndim(v)], self.rules, self.mesh))
-            for k, v in batch.items()}
+        return None if self.mesh is None else batch_shardings(batch, self.mesh, self.rules)
 
     def _program(self, key, build):
         """The jitted program for `key` (a shape bucket); a new one's first call, which compiles it,
