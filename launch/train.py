@@ -428,6 +428,8 @@ def _main(cfg):
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - the user gets the error named, not a traceback
         import traceback
+        if type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") or isinstance(e, ConnectionError):
+            cluster.await_peer_verdict()  # a collective that failed: a peer that died is the cause to name
         if phases.current == "RL":
             _count_lost(controller, state)
         trace = os.path.join(cfg.logdir, "error.log" if cluster.primary else f"error.process_{cluster.index}.log")

@@ -406,6 +406,17 @@ class Cluster:
         self._watchdog = threading.Thread(target=self._watch, name="tiderl-heartbeat", daemon=True)
         self._watchdog.start()
 
+    def await_peer_verdict(self, wait_s: float | None = None) -> None:
+        """After an error in a multi-process run (a collective that failed because a peer died: gloo's "Connection
+        reset by peer" comes before the peer's heartbeat is overdue): gives the watchdog up to the heartbeat
+        timeout to name a stopped peer, which ends this process with that message (`on_failure`); returns when
+        none is named, for the caller to report its own error."""
+        if not self.multi or self._watchdog is None:
+            return
+        deadline = time.monotonic() + (self.spec.heartbeat_timeout_s + 2.0 if wait_s is None else wait_s)
+        while time.monotonic() < deadline and self._watchdog.is_alive() and not self._stop.is_set():
+            time.sleep(0.2)
+
     def _watch(self) -> None:
         client, me = self._client, self.index
         start = time.monotonic()
