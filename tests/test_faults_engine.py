@@ -87,7 +87,9 @@ def _wait_for(predicate, timeout_s=60.0):
 
 @pytest.mark.e2e
 def test_killed_worker_fails_over_to_the_standby_with_token_checkpoints():
-    spec = WorkerSpec(CFG, ENGINE, step_delay_s=0.05)
+    # 32 steps (about 5 s) from the 8th token to the check before the kill: a loaded machine's update and short
+    # request fit in between (at 0.05 s a step the greedy request had finished there)
+    spec = WorkerSpec(CFG, ENGINE, step_delay_s=0.15)
     client = EngineClient(spec, ParamService(MODEL, version=0), standby=True)
     try:
         assert client.wait_standby(300)
