@@ -71,6 +71,7 @@ def main():
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--presets", default=",".join(PRESETS))
     p.add_argument("--row_lens", default="4096,16384")
+    p.add_argument("--remat", default="none,full", help="the trainer.remat values to plan")
     p.add_argument("--exact", action="store_true",
                    help="compile the train step at the model's whole depth (minutes per plan on a CPU) instead of "
                         "extrapolating from 4 and 8 layers")
@@ -82,7 +83,7 @@ def main():
     rows = []
     for preset in presets:
         for row_len in row_lens:
-            for remat in ("none", "full"):
+            for remat in args.remat.split(","):
                 r = plan(preset, row_len, remat, args.exact)
                 rows.append(r)
                 mesh = "x".join(f"{k} {v}" for k, v in r["mesh"].items())

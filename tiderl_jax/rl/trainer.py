@@ -67,15 +67,47 @@ _ADDITIVE = ("loss", "policy_loss", "kl", "entropy", "value_loss", "nll", "token
 _INPUTS = ("tokens", "positions", "segment_ids", "patches", "patch_index")  # the image ones: if present
 
 
+# Positions per slice of the loss head (`head_logprobs`): a slice's [rows, slice, vocabulary] float32 logits,
+# log-softmax and entropy terms are the update's largest buffers at long rows (Qwen's vocabulary of 151,936: 2.5 GB
+# per array for a row of 4,096 tokens, against 0.6 GB for a slice of 1,024)
+LOGIT_SLICE = 1024
+
+
+def head_logprobs(model: Decoder, hidden, targets, temperature: float, slice_len: int = LOGIT_SLICE):
+    """(log-prob of each of `targets` [b, n], entropy of its next-token distribution [b, n]) under the logits of the
+    final hidden states `hidden` [b, n, e], in slices of `slice_len` positions, each rematerialised: the backward
+    recomputes a slice's logits from its hidden states instead of keeping [b, n, vocabulary] arrays. Per position
+    the arithmetic is the unsliced one's (tested against it)."""
+    constrain = model.activation_sharding  # the logits' layout, as the model's own forward pins it
+
+    def head(h, tgt):
+        logits = model.logits(h)
+        if constrain is not None:
+            logits = constrain(logits, ("batch", "seq", "vocab"))
+        logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+        logp = jnp.take_along_axis(logp_all, tgt[..., None], axis=-1)[..., 0]
+        return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+    b, n = targets.shape
+    if n <= slice_len:
+        return head(hidden, targets)
+    k = -(-n // slice_len)
+    pad = k * slice_len - n
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, k, slice_len, -1).swapaxes(0, 1)
+    t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, k, slice_len).swapaxes(0, 1)
+    logp, entropy = jax.lax.map(lambda xs: jax.checkpoint(head)(*xs), (h, t))
+    unslice = lambda x: x.swapaxes(0, 1).reshape(b, k * slice_len)[:, :n]  # noqa: E731
+    return unslice(logp), unslice(entropy)
+
+
 def token_logprobs(model: Decoder, tokens, positions, segment_ids, temperature: float,
                    patches=None, patch_index=None):
     """Per-token log-prob of each token given the tokens before it in its segment, and the entropy
     of that next-token distribution: both `[b, t]`, 0 at each row's first position. A vision model
     also takes the rows' images (`patches [b, t, patch_dim]`, `patch_index [b, t]`)."""
-    logits, _ = model(tokens, positions, segment_ids=segment_ids, patches=patches, patch_index=patch_index)
-    logp_all = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
-    logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    hidden, _ = model(tokens, positions, segment_ids=segment_ids, patches=patches, patch_index=patch_index,
+                      return_hidden=True)
+    logp, entropy = head_logprobs(model, hidden[:, :-1], tokens[:, 1:], temperature)
     pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
     return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
 
@@ -105,9 +137,7 @@ def _forward(graphdefs, params, micro, temperature):
     tokens = micro["tokens"]
     hidden, _ = model(tokens, micro["positions"], segment_ids=micro["segment_ids"],
                       patches=micro.get("patches"), patch_index=micro.get("patch_index"), return_hidden=True)
-    logp_all = jax.nn.log_softmax(model.logits(hidden[:, :-1]).astype(jnp.float32) / temperature, axis=-1)
-    logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    logp, entropy = head_logprobs(model, hidden[:, :-1], tokens[:, 1:], temperature)
     values = head(hidden[:, :-1])
     pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
     return tuple(jnp.concatenate([pad, x], axis=1) for x in (logp, entropy, values))
