@@ -34,6 +34,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tiderl_jax.model.config import ModelConfig
+from tiderl_jax.model.sharding import spec_for
 
 
 # Rematerialisation of the decoder layers in the full-sequence mode (training; `trainer.remat`): which of a layer's
@@ -146,6 +147,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
+def _segment_mask(segment_ids: jax.Array | None, b: int | None = None, t: int | None = None) -> jax.Array:
+    """The full forward's [b, t, t] mask: causal, and within a segment when ids are given."""
+    if segment_ids is not None:
+        b, t = segment_ids.shape
+    idx = jnp.arange(t)
+    mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (b, t, t))
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return mask
+
+
 # The full (uncached) forward's query chunk: chunk i of a causal [t, t] attention needs only the keys up to its own
 # end, so the scores computed shrink from t^2 to about t^2 (n + 1) / 2n for n chunks (measured on the main job's
 # packed rows of 1,024: the train step's attention, most of its time on a CPU, nearly halved).
@@ -161,6 +173,44 @@ def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, chu
     parts = [attend(q[:, s:s + chunk], k[:, :, :s + chunk], v[:, :, :s + chunk], mask[:, s:s + chunk, :s + chunk])
              for s in range(0, t, chunk)]
     return jnp.concatenate(parts, axis=1)
+
+
+# The train step's attention (the full-sequence mode; `trainer.attention_impl`, set on the model as
+# `train_attention`): "xla", `attend_causal` over the [t, t] causal-and-same-segment mask; "pallas_gpu", JAX's
+# Pallas flash attention for GPUs (`jax.experimental.pallas.ops.gpu.attention.mha`: causal, segment ids, its own
+# backward), never materialising a mask or the scores, per shard of a mesh under shard_map (a kernel has no
+# partitioning rule); elsewhere than on a GPU it runs in Pallas' interpret mode (how the tests check it).
+TRAIN_ATTENTION = ("xla", "pallas_gpu")
+
+
+def attend_segments_pallas(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                           constrain=None) -> jax.Array | None:
+    """Causal attention within segments through the Pallas kernel: q [b, t, heads, d]; k, v [b, kv_heads, t, d];
+    segment_ids [b, t] (equal ids attend, causally). None where the kernel does not apply (rows not a multiple of
+    16 tokens, or the sequence split over a mesh axis): the caller takes the xla path."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    b, t, h, d = q.shape
+    block = next((n for n in (128, 64, 32, 16) if t % n == 0), None)
+    if block is None:
+        return None
+    small = min(block, 32)
+    sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=small, block_kv_dkv=small,
+                                        block_q_dq=small, block_kv_dq=small)
+    group = h // k.shape[1]  # grouped-query heads: each key / value head repeated for its query heads
+    k = jnp.repeat(k.transpose(0, 2, 1, 3), group, axis=2)
+    v = jnp.repeat(v.transpose(0, 2, 1, 3), group, axis=2)
+
+    def kernel(q, k, v, ids):
+        return pallas_attention.mha(q, k, v, ids, sm_scale=d ** -0.5, causal=True, block_sizes=sizes,
+                                    interpret=jax.default_backend() != "gpu")
+    if constrain is None:
+        return kernel(q, k, v, segment_ids)
+    spec = spec_for(q.shape, ("batch", "seq", "q_heads", "head_dim"), constrain.rules, constrain.mesh)
+    if spec[1] is not None:  # context parallelism: each shard would miss the other shards' keys
+        return None
+    return jax.shard_map(kernel, mesh=constrain.mesh, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(spec[0], None)),
+                         out_specs=spec, check_vma=False)(q, k, v, segment_ids)
 
 
 class Cache(Protocol):
@@ -242,7 +292,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd, "head_dim")
         self.cfg = cfg
 
-    def __call__(self, x, positions, inv_freq, mask=None, cache=None, layer_index=0, constrain=None):
+    def __call__(self, x, positions, inv_freq, mask=None, cache=None, layer_index=0, constrain=None, segments=None):
         """x [b, t, embed] -> ([b, t, embed], this layer's new cache state or None).
 
         Full mode: `mask` [b, t, t]. Cached mode: the cache stores k/v and builds its own mask.
@@ -262,7 +312,14 @@ class Attention(nnx.Module):
         if constrain is not None:
             q = constrain(q, ("batch", "seq", "q_heads", "head_dim"))
         if cache is None:
-            out, layer_state = attend_causal(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask), None
+            out = None
+            if segments is not None:
+                out = attend_segments_pallas(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segments, constrain)
+            if out is None:
+                if mask is None:
+                    mask = _segment_mask(segments)
+                out = attend_causal(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+            layer_state = None
         else:
             out, layer_state = cache.attend_layer(layer_index, q, k, v, constrain)
         # As one [b, t, h*d] x [h*d, e] matmul: written as the einsum over (h, d), XLA:CPU chose to
@@ -321,9 +378,9 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, inv_freq, mask=None, cache=None, layer_index=0, constrain=None):
+    def __call__(self, x, positions, inv_freq, mask=None, cache=None, layer_index=0, constrain=None, segments=None):
         h, new_kv = self.attn(self.input_norm(x), positions, inv_freq, mask, cache, layer_index,
-                              constrain)
+                              constrain, segments)
         x = x + checkpoint_name(h, "attention_out")
         x = x + checkpoint_name(self.mlp(self.post_attn_norm(x)), "mlp_out")
         if constrain is not None:
@@ -345,6 +402,8 @@ class Decoder(nnx.Module):
         self.activation_sharding = None
         # `REMAT_POLICIES`' name for the full-sequence mode, set by the trainer (`trainer.remat`); static
         self.remat = "none"
+        # TRAIN_ATTENTION's name for the full-sequence mode, set by the trainer (`trainer.attention_impl`); static
+        self.train_attention = "xla"
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
@@ -384,12 +443,11 @@ class Decoder(nnx.Module):
         if constrain is not None:
             x = constrain(x, ("batch", "seq", None))
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a compile-time constant, not state
-        mask = None
-        if cache is None:
-            idx = jnp.arange(t)
-            mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (b, t, t))
-            if segment_ids is not None:
-                mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        mask = segments = None
+        if cache is None and self.train_attention == "pallas_gpu":  # the kernel takes the ids, not a mask
+            segments = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        elif cache is None:
+            mask = _segment_mask(segment_ids, b, t)
         elif segment_ids is not None:
             raise ValueError("segment_ids apply to the full-sequence mode, not the cached mode")
         layer_states = []
@@ -398,10 +456,11 @@ class Decoder(nnx.Module):
             if self.remat != "none" and cache is None:  # the layer as a pure function of its weights and input
                 graphdef, weights = nnx.split(layer)
                 x, state = jax.checkpoint(
-                    lambda w, h, g=graphdef, i=i: nnx.merge(g, w)(h, positions, inv_freq, mask, None, i, constrain),
+                    lambda w, h, g=graphdef, i=i: nnx.merge(g, w)(h, positions, inv_freq, mask, None, i, constrain,
+                                                                  segments),
                     policy=policy)(weights, x)
             else:
-                x, state = layer(x, positions, inv_freq, mask, cache, i, constrain)
+                x, state = layer(x, positions, inv_freq, mask, cache, i, constrain, segments)
             layer_states.append(state)
         x = self.final_norm(x)
         new_cache = None

@@ -58,7 +58,7 @@ from tiderl_jax.model.sharding import (DEFAULT_RULES, ActivationSharding, Rules,
 from tiderl_jax.rl import losses, shared_prompt
 from tiderl_jax.rl.advantages import gae_advantages, group_advantages
 from tiderl_jax.rl.batch import PackedBatch, pack
-from tiderl_jax.rl.trainer_config import TrainerConfig, lr_schedule, make_optimizer
+from tiderl_jax.rl.trainer_config import TrainerConfig, lr_schedule, make_optimizer, train_attention
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def step_memory(model_cfg: ModelConfig, config: TrainerConfig, mesh: Mesh, rules
     `Trainer.memory_plan` compiles), compiled for `mesh` from abstract weights: nothing is allocated, so a model
     larger than this machine is planned here (`benchmarks/memory_plan.py`; `check_fits` at start-up)."""
     model = nnx.eval_shape(lambda: init_decoder(model_cfg, seed=0))
-    model.remat = config.remat
+    model.remat, model.train_attention = config.remat, train_attention(config)
     model.activation_sharding = ActivationSharding(mesh, rules)
     graphdef, state = nnx.split(model)
     params = jax.tree.unflatten(jax.tree.structure(state), [
@@ -306,6 +306,7 @@ class Trainer:
         self.config = config
         self.mesh, self.rules = mesh, rules
         model.remat = config.remat  # the train step's layers (the full-sequence mode only)
+        model.train_attention = train_attention(config)
         self.graphdef, params = nnx.split(model)
         # Our own copy: the train step donates its parameters, which must not be the caller's.
         self.params = place_copy(params, jax.tree.map(lambda x: x.sharding, params))

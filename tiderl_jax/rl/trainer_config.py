@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from tiderl_jax.model.config import ConfigError
-from tiderl_jax.model.decoder import REMAT_POLICIES
+from tiderl_jax.model.decoder import REMAT_POLICIES, TRAIN_ATTENTION
 from tiderl_jax.rl import losses, shared_prompt
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -55,6 +55,9 @@ class TrainerConfig:
     # "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_out_proj"): less activation memory for
     # a recomputed forward; the gradients are the same (`Trainer.memory_plan` measures the memory)
     remat: str = "none"
+    # the train step's attention (`model/decoder.py`'s TRAIN_ATTENTION): "auto" takes JAX's Pallas flash attention
+    # on a GPU ("pallas_gpu") and the chunked XLA attention elsewhere ("xla")
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         problems = []
@@ -70,6 +73,8 @@ class TrainerConfig:
             problems.append(f"end_lr_ratio={self.end_lr_ratio} must be in [0, 1]")
         if not 0 <= self.warmup_steps < self.total_steps:
             problems.append(f"warmup_steps={self.warmup_steps} must be in [0, total_steps={self.total_steps})")
+        if self.attention_impl not in ("auto",) + TRAIN_ATTENTION:
+            problems.append(f"attention_impl={self.attention_impl!r} is not one of {('auto',) + TRAIN_ATTENTION}")
         if self.remat not in REMAT_POLICIES:
             problems.append(f"remat={self.remat!r} is not one of {tuple(REMAT_POLICIES)}")
         if self.recompute_proximal not in RECOMPUTE:
@@ -114,3 +119,10 @@ def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                                    mask=decay_mask))
+
+
+def train_attention(cfg: TrainerConfig) -> str:
+    """The train step's attention on this platform: `attention_impl`, "auto" resolved."""
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    return "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
