@@ -61,6 +61,11 @@ def _fail(message: str, status: int = 2):
     if cluster.multi:  # not JAX's exit barrier: the other processes may be gone (they are told by the heartbeat)
         sys.stdout.flush()
         os._exit(status)
+    # the one line is the last this process writes on stderr: a library's background work failing after it (orbax's
+    # reads of a damaged checkpoint calling back into its closed event loop) prints its traceback nowhere
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
     sys.exit(status)
 
 
