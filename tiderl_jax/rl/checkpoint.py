@@ -16,12 +16,13 @@ previous checkpoint as the latest.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from typing import Any, Mapping
 
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
 from flax import nnx
 
 from tiderl_jax.model.hf_io import CheckpointError
@@ -75,6 +76,24 @@ def _shape_mismatch(like, stored) -> str:
     return ""
 
 
+class _UnregisteredItems(logging.Filter):
+    """Drops orbax's warning that a fresh manager (a resumed run's) has no handler yet for an item it then restores
+    with the arguments it is given: 'Item "params" was found in the checkpoint, but could not be restored ...'."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "was found in the checkpoint, but could not be restored" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_unregistered_items():
+    logger, quiet = logging.getLogger("absl"), _UnregisteredItems()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
@@ -104,24 +123,22 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; "
                                   f"steps there: {self.all_steps()}")
         items = {name: ocp.args.StandardRestore(_abstract(_pure(tree))) for name, tree in like.items()}
-        try:  # shapes first: orbax's failed reads leave background tasks behind (and a less clear error)
-            # each item's own metadata (the manager's item_metadata warns about every item a fresh manager has
-            # no handler for yet, which a resumed run's is)
-            step_dir = os.path.join(self.directory, str(step))
-            mismatch = {name: _shape_mismatch(_pure(tree), ocp.StandardCheckpointHandler().metadata(
-                epath.Path(step_dir, name))) for name, tree in like.items()
-                if os.path.isdir(os.path.join(step_dir, name))}
-        except Exception:  # noqa: BLE001 - no readable metadata: the restore below names what is wrong
-            mismatch = {}
-        for name, what in mismatch.items():
-            if what:
-                raise CheckpointError(f"cannot restore step {step} from {self.directory}: {name!r}: {what}")
-        try:
-            out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
-        except Exception as e:  # a damaged or mismatched checkpoint: name it, do not crash obscurely
-            first = (str(e).strip().splitlines() or [""])[0]  # orbax appends the whole tree dump
-            raise CheckpointError(f"cannot restore step {step} from {self.directory}: "
-                                  f"{type(e).__name__}: {first}") from e
+        with _quiet_unregistered_items():
+            try:  # shapes first: orbax's failed reads leave background tasks behind (and a less clear error)
+                stored = self.manager.item_metadata(step)
+                mismatch = {name: _shape_mismatch(_pure(tree), stored[name]) for name, tree in like.items()
+                            if name in stored}
+            except Exception:  # noqa: BLE001 - no readable metadata: the restore below names what is wrong
+                mismatch = {}
+            for name, what in mismatch.items():
+                if what:
+                    raise CheckpointError(f"cannot restore step {step} from {self.directory}: {name!r}: {what}")
+            try:
+                out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
+            except Exception as e:  # a damaged or mismatched checkpoint: name it, do not crash obscurely
+                first = (str(e).strip().splitlines() or [""])[0]  # orbax appends the whole tree dump
+                raise CheckpointError(f"cannot restore step {step} from {self.directory}: "
+                                      f"{type(e).__name__}: {first}") from e
         return {name: _like(tree, out[name]) for name, tree in like.items()}, out["meta"]
 
     def wait(self) -> None:
