@@ -10,6 +10,7 @@ uses (reruns skip most compiles), and the repository on the import path.
 import os
 import pathlib
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -26,3 +27,14 @@ def setup(devices: int = 0) -> pathlib.Path:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     return ROOT
+
+
+def best_of(fn, repeats: int = 5) -> float:
+    """The fastest of `repeats` timed calls of `fn`, after one untimed call (its compile / warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)

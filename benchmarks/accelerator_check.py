@@ -26,20 +26,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _env import ROOT  # noqa: E402  (the repository on the import path; the platform is JAX's own choice)
+from _env import ROOT, best_of  # noqa: E402  (the repository on the import path; the platform is JAX's own choice)
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-
-def _best(fn, repeats: int = 5) -> float:
-    fn()  # compile / warm
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def limits(quick: bool) -> dict:
@@ -49,11 +39,11 @@ def limits(quick: bool) -> dict:
     n = 1024 if quick else 8192
     a = jnp.ones((n, n), jnp.bfloat16)
     dot = jax.jit(lambda x: x @ x)
-    flops = 2 * n ** 3 / _best(lambda: dot(a).block_until_ready())
+    flops = 2 * n ** 3 / best_of(lambda: dot(a).block_until_ready())
     size = (64 if quick else 1024) * 2 ** 20 // 4
     x = jnp.ones((size,), jnp.float32)
     copy = jax.jit(lambda v: v + 1.0)
-    bandwidth = 2 * x.nbytes / _best(lambda: copy(x).block_until_ready())
+    bandwidth = 2 * x.nbytes / best_of(lambda: copy(x).block_until_ready())
     return dict(check="limits", device_kind=jax.devices()[0].device_kind, platform=jax.default_backend(),
                 matmul_flops=flops, bandwidth_bytes_per_s=bandwidth)
 

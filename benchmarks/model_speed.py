@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -24,6 +23,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _env import best_of  # noqa: E402  (no side effects at import)
 from tiderl_jax.model.config import ModelConfig  # noqa: E402
 from tiderl_jax.model.decoder import Decoder  # noqa: E402
 from tiderl_jax.model.generate import generate  # noqa: E402
@@ -32,16 +33,6 @@ from tiderl_jax.model.sharding import (DEFAULT_RULES, data_sharding, init_sharde
 
 TINY = ModelConfig(arch="qwen3", vocab_size=384, hidden_size=256, intermediate_size=768, num_layers=4,
                    num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
-
-
-def _best_of(fn, repeats):
-    fn()  # warm-up (compile)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main():
@@ -64,12 +55,12 @@ def main():
         tok_d = jax.device_put(tokens, sh)
         pos_d = jax.device_put(np.broadcast_to(np.arange(seq, dtype=np.int32), tokens.shape), sh)
         forward = nnx.jit(lambda m, t, p: m(t, p)[0].sum())
-        secs = _best_of(lambda: float(forward(model, tok_d, pos_d)), repeats)
+        secs = best_of(lambda: float(forward(model, tok_d, pos_d)), repeats)
         rows.append(dict(case=f"forward / {name}", devices=mesh.size, batch=batch, tokens=batch * seq,
                          seconds=secs, tokens_per_s=batch * seq / secs))
         print(f"[{len(rows)}/4] {rows[-1]['case']}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
         prompts = [list(map(int, row[:32])) for row in tokens]
-        secs = _best_of(lambda: generate(model, prompts, max_new_tokens=new, temperature=1.0), repeats)
+        secs = best_of(lambda: generate(model, prompts, max_new_tokens=new, temperature=1.0), repeats)
         rows.append(dict(case=f"decode / {name}", devices=mesh.size, batch=batch, tokens=batch * new,
                          seconds=secs, tokens_per_s=batch * new / secs))
         print(f"[{len(rows)}/4] {rows[-1]['case']}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
