@@ -5,12 +5,14 @@
 On a GPU or TPU (JAX's default backend), in at most ~8 minutes, rows of:
 - `limits`: the device's measured limits, in this run: bfloat16 matmul FLOP/s (8192^2, best of 5) and memory
   bandwidth (a 1 GiB copy: read + write bytes per second, best of 5), and `device_kind`;
-- `kernels`: the engine's attention implementation `auto` takes here (`engine/paged_attention.py`);
+- `kernels`: the attention implementations `auto` takes here for SmolLM2's shape: the engine's
+  (`engine/paged_attention.py`) and the train step's (`rl/trainer_config.py`);
 - `parity`: SmolLM2-135M-Instruct (the packaged GGUF; a random model of its shape when it is not installed)
   greedy through the engine on the accelerator against the reference generator on the CPU, float32 both:
   the share of prompts whose tokens are identical, and the first position they differ at otherwise;
 - `decode`: the engine's decode tokens/s at a batch of 32 (bfloat16), and its fraction of the memory roofline
-  (each decode step reads every weight and the batch's KV cache once: batch x bandwidth / bytes per step);
+  (each decode step reads every weight and the batch's KV cache once: batch x bandwidth / bytes per step), with
+  `auto`'s attention and with the `xla` path (the kernel's effect, in one run);
 - `train`: the train step's seconds and MFU (6 x parameters x trained tokens + attention, over the measured matmul
   peak) on SmolLM2-135M's shape and on Qwen2.5-0.5B's shape, random weights, bfloat16 compute.
 
@@ -89,7 +91,7 @@ def parity(quick: bool) -> dict:
                 first_difference=[f for f in first if f is not None])
 
 
-def decode(quick: bool, lim: dict) -> dict:
+def decode(quick: bool, lim: dict, attention_impl: str = "auto") -> dict:
     import jax
     import numpy as np
 
@@ -99,7 +101,7 @@ def decode(quick: bool, lim: dict) -> dict:
     model, source = smollm2("float32" if quick else "bfloat16")
     batch, new, prompt = (4, 16, 16) if quick else (32, 256, 128)
     engine = Engine(model, EngineConfig(num_pages=batch * (prompt + new) // 16 + 64, max_seq_len=prompt + new + 16,
-                                        max_running=batch))
+                                        max_running=batch, attention_impl=attention_impl))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(10, model.cfg.vocab_size, prompt).tolist() for _ in range(batch)]
     sp = SamplingParams(temperature=0.0, max_new_tokens=new)
@@ -176,6 +178,8 @@ def main():
     import jax
 
     from tiderl_jax.engine.paged_attention import resolve_impl
+    from tiderl_jax.model.packaged import SMOLLM2_135M_SHAPE
+    from tiderl_jax.rl.trainer_config import TrainerConfig, train_attention
 
     platform = jax.default_backend()
     if platform == "cpu" and not args.on_cpu:
@@ -185,10 +189,13 @@ def main():
     quick = args.quick or platform == "cpu"
     t0 = time.perf_counter()
     lim = limits(quick)
-    rows = [lim, dict(check="kernels", platform=platform, engine_attention_auto_float32=resolve_impl(
-        "auto", sharded=False, dtype="float32"), engine_attention_auto_bfloat16=resolve_impl(
-        "auto", sharded=False, dtype="bfloat16"))]
-    for part in (lambda: [parity(quick)], lambda: [decode(quick, lim)], lambda: train(quick, lim)):
+    shape = dict(head_dim=SMOLLM2_135M_SHAPE.head_dim, page_size=16)
+    rows = [lim, dict(check="kernels", platform=platform,
+                      engine_attention_auto_float32=resolve_impl("auto", sharded=False, dtype="float32", **shape),
+                      engine_attention_auto_bfloat16=resolve_impl("auto", sharded=False, dtype="bfloat16", **shape),
+                      train_attention_auto=train_attention(TrainerConfig()))]
+    for part in (lambda: [parity(quick)], lambda: [decode(quick, lim), decode(quick, lim, "xla")],
+                 lambda: train(quick, lim)):
         for row in part():
             rows.append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)

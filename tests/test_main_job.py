@@ -171,10 +171,10 @@ def test_the_visual_task_warm_starts_from_scratch_and_an_interrupted_warm_start_
 def test_a_failing_engine_step_ends_the_run_with_the_error_named(tmp_path):
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "launch/train.py", f"--config.logdir={tmp_path}", *TINY,
-                        "--config.engine.attention_impl=pallas"], cwd=ROOT, capture_output=True, text=True,
+                        "--config.engine.attention_impl=pallas_gpu"], cwd=ROOT, capture_output=True, text=True,
                        timeout=240)
     assert r.returncode == 1, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "no Pallas paged-attention kernel is registered" in errors[0], r.stderr[-3000:]
+    assert len(errors) == 1 and "runs JAX's GPU paged-attention kernel, and this engine runs on cpu" in errors[0], r.stderr[-3000:]
     assert "Traceback" not in r.stderr and (tmp_path / "error.log").exists()
     assert time.monotonic() - t0 < 200

@@ -52,11 +52,6 @@ def test_write_pages_places_tokens_and_sends_padding_to_trash():
     assert np.all(out[2] == 0) and np.any(out[TRASH_PAGE] != 0)
 
 
-def test_pallas_hook_says_how_to_plug_a_kernel():
-    with pytest.raises(NotImplementedError, match="register_paged_attention"):
-        PAGED_ATTENTION["pallas"](*_case(0))
-
-
 # ------------------------------------------------------------------------------ the CPU kernel (`cpu`)
 
 

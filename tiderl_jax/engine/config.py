@@ -23,8 +23,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     reuse_stale_prefix_cache: bool = False
     on_update: str = "continue"  # "continue" | "abort"
-    # "auto": the CPU kernel on one CPU device (float32), else "xla"; or one of "xla", "cpu", "reference", "pallas"
-    # (engine/paged_attention.py)
+    # "auto": JAX's Pallas kernel on a GPU / TPU, the C++ kernel on one CPU device (float32), else "xla"; or one
+    # of "xla", "cpu", "pallas_gpu", "pallas_tpu", "reference" (engine/paged_attention.py)
     attention_impl: str = "auto"
     max_stop_ids: int = 8
     # How far apart the shape buckets are (each bucket is one compiled program per shape): 2 = powers of

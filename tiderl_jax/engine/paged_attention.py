@@ -11,11 +11,17 @@ Implementations (selected by name, so a kernel can be plugged in without touchin
 - `xla`: one gather of all rows' pages, one masked attention. Portable; every backend.
 - `cpu`: a C++ kernel that reads each row's pages in place (`cpu_attention.py`, `paged_attention.cc`, an
   XLA FFI custom call built at first use) for decode and verify calls; prefill chunks go to `xla`.
-- `pallas`: the hook for a fused ragged paged-attention kernel on GPU/TPU; register one with
-  `register_paged_attention("pallas", fn)` (same signature as `paged_attention_xla`).
+- `pallas_gpu`, `pallas_tpu`: JAX's own Pallas paged-attention kernels (`pallas_attention.py`) for decode and
+  verify calls, over pools laid out kv-head-major; prefill chunks go to `xla` over that layout. On a sharded
+  engine they run per shard of the kv-head axis.
+- any other: `register_paged_attention(name, fn, layout)` (same signature as `paged_attention_xla`).
 
-`EngineConfig.attention_impl="auto"` (the default) takes `cpu` for an engine on one CPU device with a
-float32 model when the kernel builds, else `xla` (`resolve_impl`).
+The pool's layout is its implementation's (`LAYOUT`): "pages" [num_pages, kv_heads, page_size, head_dim]
+(reference, xla, cpu) or "heads" [kv_heads, num_pages, page_size, head_dim] (the Pallas kernels).
+
+`EngineConfig.attention_impl="auto"` (the default) takes `pallas_gpu` / `pallas_tpu` on a GPU / TPU where the
+kernel's tiles fit the model's head_dim and the page size, `cpu` for an engine on one CPU device with a float32
+model when the kernel builds, else `xla` (`resolve_impl`).
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tiderl_jax.engine import cpu_attention
+from tiderl_jax.engine import cpu_attention, pallas_attention
 from tiderl_jax.model.decoder import attend, einsum_f32
 
 TRASH_PAGE = 0
+PAGES, HEADS = "pages", "heads"  # the pool layouts
+POOL_AXES = {PAGES: (None, "kv_heads", None, "head_dim"), HEADS: pallas_attention.HEADS_MAJOR_AXES}
 
 
 def _mask(starts: jax.Array, t: int, span: int) -> jax.Array:
@@ -38,8 +46,10 @@ def _mask(starts: jax.Array, t: int, span: int) -> jax.Array:
     return jnp.arange(span)[None, None, :] <= q_abs[:, :, None]
 
 
-def paged_attention_reference(q, k_pool, v_pool, page_table, starts):
-    """q [b, t, h, d]; pools [pages, kv, ps, d]; page_table [b, P]; starts [b] -> [b, t, h, d]."""
+def paged_attention_reference(q, k_pool, v_pool, page_table, starts, layout=PAGES):
+    """q [b, t, h, d]; pools [pages, kv, ps, d] (or kv-head-major); page_table [b, P]; starts [b] -> [b, t, h, d]."""
+    if layout == HEADS:
+        k_pool, v_pool = k_pool.swapaxes(0, 1), v_pool.swapaxes(0, 1)
     rows = []
     for r in range(q.shape[0]):
         k = jnp.concatenate([k_pool[page_table[r, j]] for j in range(page_table.shape[1])], axis=1)
@@ -49,34 +59,32 @@ def paged_attention_reference(q, k_pool, v_pool, page_table, starts):
     return jnp.concatenate(rows, axis=0)
 
 
-def attend_gathered(q, k, v, starts):
-    """Attention over already-gathered pages: q [b, t, h, d]; k, v [b, P, kv, ps, d]; starts [b].
+def attend_gathered(q, k, v, starts, layout=PAGES):
+    """Attention over already-gathered pages: q [b, t, h, d]; k, v [b, P, kv, ps, d] (layout "pages") or
+    [kv, b, P, ps, d] ("heads"); starts [b].
 
     The contractions run over the page layout directly (no transpose into a contiguous
     [b, kv, P*ps, d] copy), which halves the attention time on CPU.
     """
     b, t, h, d = q.shape
-    _, p, kvh, ps, _ = k.shape
+    kv_index = "bpksd" if layout == PAGES else "kbpsd"
+    kvh = k.shape[kv_index.index("k")]
+    p, ps = k.shape[kv_index.index("p")], k.shape[kv_index.index("s")]
     qg = q.reshape(b, t, kvh, h // kvh, d)
-    scores = einsum_f32("btkgd,bpksd->bkgtps", qg, k.astype(q.dtype)).reshape(b, kvh, h // kvh, t, p * ps)
+    scores = einsum_f32(f"btkgd,{kv_index}->bkgtps", qg, k.astype(q.dtype)).reshape(b, kvh, h // kvh, t, p * ps)
     scores = scores * (d ** -0.5)
     mask = _mask(starts, t, p * ps)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kvh, h // kvh, t, p, ps)
-    out = einsum_f32("bkgtps,bpksd->btkgd", probs, v.astype(q.dtype))
+    out = einsum_f32(f"bkgtps,{kv_index}->btkgd", probs, v.astype(q.dtype))
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def paged_attention_xla(q, k_pool, v_pool, page_table, starts):
+def paged_attention_xla(q, k_pool, v_pool, page_table, starts, layout=PAGES):
     """Same contract as the reference: one gather of the rows' pages, then `attend_gathered`."""
+    if layout == HEADS:
+        return attend_gathered(q, k_pool[:, page_table], v_pool[:, page_table], starts, HEADS)
     return attend_gathered(q, k_pool[page_table], v_pool[page_table], starts)
-
-
-def _pallas_unavailable(*args):
-    raise NotImplementedError(
-        "no Pallas paged-attention kernel is registered; call "
-        "tiderl_jax.engine.paged_attention.register_paged_attention('pallas', fn) on GPU/TPU, "
-        "or use attention_impl='xla'")
 
 
 def _cpu(q, k_pool, v_pool, page_table, starts):
@@ -86,32 +94,55 @@ def _cpu(q, k_pool, v_pool, page_table, starts):
     return paged_attention_xla(q, k_pool, v_pool, page_table, starts)
 
 
+def _pallas(impl: str) -> Callable:
+    """JAX's kernel for decode and verify calls (at most MAX_QUERY_TOKENS per row), else `xla` (a prefill chunk)."""
+    def fn(q, k_pool, v_pool, page_table, starts, constrain=None):
+        if q.shape[1] <= pallas_attention.MAX_QUERY_TOKENS:
+            return pallas_attention.paged_attention_pallas(impl, q, k_pool, v_pool, page_table, starts, constrain)
+        return paged_attention_xla(q, k_pool, v_pool, page_table, starts, HEADS)
+    return fn
+
+
 PAGED_ATTENTION: dict[str, Callable] = {
     "reference": paged_attention_reference,
     "xla": paged_attention_xla,
     "cpu": _cpu,
-    "pallas": _pallas_unavailable,
+    "pallas_gpu": _pallas("pallas_gpu"),
+    "pallas_tpu": _pallas("pallas_tpu"),
 }
+LAYOUT: dict[str, str] = {"pallas_gpu": HEADS, "pallas_tpu": HEADS}  # the others: PAGES
 AUTO = "auto"
 
 
-def resolve_impl(name: str, *, sharded: bool, dtype) -> str:
-    """The implementation an engine runs: `name` itself, or for "auto" the CPU kernel where it applies
-    (one CPU device, float32, the kernel built) and `xla` elsewhere."""
+def resolve_impl(name: str, *, sharded: bool, dtype, head_dim: int = 0, page_size: int = 0) -> str:
+    """The implementation an engine runs: `name` itself, or for "auto" JAX's Pallas kernel of a GPU / TPU where
+    its tiles fit (`pallas_attention.applies`), the CPU kernel where it applies (one CPU device, float32, the
+    kernel built), and `xla` elsewhere."""
     if name != AUTO:
         return name
-    if sharded or jax.default_backend() != "cpu" or jnp.dtype(dtype) != jnp.float32:
+    platform = jax.default_backend()
+    for impl, kernel_platform in pallas_attention.PLATFORM.items():
+        if platform == kernel_platform:
+            return impl if pallas_attention.applies(impl, head_dim=head_dim, page_size=page_size) else "xla"
+    if sharded or platform != "cpu" or jnp.dtype(dtype) != jnp.float32:
         return "xla"
     return "cpu" if cpu_attention.available() else "xla"
 
 
-def register_paged_attention(name: str, fn: Callable) -> None:
+def register_paged_attention(name: str, fn: Callable, layout: str = PAGES) -> None:
     PAGED_ATTENTION[name] = fn
+    if layout != PAGES:
+        LAYOUT[name] = layout
+
+
+def pool_layout(impl: str) -> str:
+    return LAYOUT.get(impl, PAGES)
 
 
 def write_pages(pool: jax.Array, new: jax.Array, page_table: jax.Array, starts: jax.Array,
-                num_new: jax.Array) -> jax.Array:
-    """Scatters new [b, t, kv, d] into pool [pages, kv, ps, d]; tokens t >= num_new[b] go to trash."""
+                num_new: jax.Array, layout: str = PAGES) -> jax.Array:
+    """Scatters new [b, t, kv, d] into pool [pages, kv, ps, d] (or [kv, pages, ps, d], layout "heads");
+    tokens t >= num_new[b] go to trash."""
     b, t = new.shape[:2]
     ps = pool.shape[2]
     pos = starts[:, None] + jnp.arange(t)[None, :]  # [b, t]
@@ -119,15 +150,18 @@ def write_pages(pool: jax.Array, new: jax.Array, page_table: jax.Array, starts: 
     slot = jnp.clip(pos // ps, 0, page_table.shape[1] - 1)
     page = jnp.where(valid, jnp.take_along_axis(page_table, slot, axis=1), TRASH_PAGE)
     offset = jnp.where(valid, pos % ps, 0)
-    return pool.at[page.reshape(-1), :, offset.reshape(-1), :].set(
-        new.reshape(b * t, *new.shape[2:]).astype(pool.dtype))
+    rows = new.reshape(b * t, *new.shape[2:]).astype(pool.dtype)  # [b * t, kv, d]
+    if layout == HEADS:
+        return pool.at[:, page.reshape(-1), offset.reshape(-1), :].set(rows.swapaxes(0, 1))
+    return pool.at[page.reshape(-1), :, offset.reshape(-1), :].set(rows)
 
 
 @flax.struct.dataclass
 class PagedKV:
     """The paged cache of one forward call (implements the decoder's `Cache` protocol).
 
-    k_pages, v_pages: per layer [num_pages, kv_heads, page_size, head_dim]; page_table [b, P];
+    k_pages, v_pages: per layer [num_pages, kv_heads, page_size, head_dim] (kv-head-major for an implementation
+    whose `LAYOUT` is "heads"); page_table [b, P];
     starts [b]: tokens of each row already cached (its first new token's position);
     num_new [b]: real tokens of this call per row (0 for a padding row).
     """
@@ -140,9 +174,11 @@ class PagedKV:
     impl: str = flax.struct.field(pytree_node=False, default="xla")
 
     def attend_layer(self, i, q, k, v, constrain):
-        k_pool = write_pages(self.k_pages[i], k, self.page_table, self.starts, self.num_new)
-        v_pool = write_pages(self.v_pages[i], v, self.page_table, self.starts, self.num_new)
-        out = PAGED_ATTENTION[self.impl](q, k_pool, v_pool, self.page_table, self.starts)
+        layout = pool_layout(self.impl)
+        k_pool = write_pages(self.k_pages[i], k, self.page_table, self.starts, self.num_new, layout)
+        v_pool = write_pages(self.v_pages[i], v, self.page_table, self.starts, self.num_new, layout)
+        per_shard = {"constrain": constrain} if self.impl in pallas_attention.PLATFORM else {}
+        out = PAGED_ATTENTION[self.impl](q, k_pool, v_pool, self.page_table, self.starts, **per_shard)
         return out, (k_pool, v_pool)
 
     def advance(self, layer_states, num_new):

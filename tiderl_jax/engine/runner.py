@@ -21,6 +21,7 @@ Pools are donated to every call and replaced by the results, so pages are update
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 
@@ -31,7 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from tiderl_jax.engine.buckets import bucket, half_pow2_buckets, pow2_buckets  # noqa: F401 (re-exported)
-from tiderl_jax.engine.paged_attention import PagedKV, resolve_impl, write_pages
+from tiderl_jax.engine.paged_attention import HEADS, POOL_AXES, PagedKV, pool_layout, resolve_impl, write_pages
 from tiderl_jax.engine.sampling import row_keys, sample, verify_drafts
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import place_copy, spec_for
@@ -104,11 +105,11 @@ def _verify_program(graphdef, params, k_pages, v_pages, tokens, page_table, star
     return cache.k_pages, cache.v_pages, tok, lps, lpm, jnp.where(live, emitted, 0)
 
 
-def _write_sequence(k_pages, v_pages, k, v, page_row, length):
+def _write_sequence(k_pages, v_pages, k, v, page_row, length, *, layout):
     """Copies one sequence's dense KV (per layer [kv, L, d]) into its pages (page_row [P])."""
     table, start, n = page_row[None], jnp.zeros((1,), jnp.int32), length[None]
-    new_k = tuple(write_pages(kp, x.transpose(1, 0, 2)[None], table, start, n) for kp, x in zip(k_pages, k))
-    new_v = tuple(write_pages(vp, x.transpose(1, 0, 2)[None], table, start, n) for vp, x in zip(v_pages, v))
+    new_k = tuple(write_pages(kp, x.transpose(1, 0, 2)[None], table, start, n, layout) for kp, x in zip(k_pages, k))
+    new_v = tuple(write_pages(vp, x.transpose(1, 0, 2)[None], table, start, n, layout) for vp, x in zip(v_pages, v))
     return new_k, new_v
 
 
@@ -124,11 +125,15 @@ class ModelRunner:
         self.num_pages = num_pages
         act = model.activation_sharding
         # a one-device mesh is not sharded: the CPU kernel (a custom call with no partitioning rule) applies
-        self.impl = resolve_impl(attention_impl, sharded=act is not None and act.mesh.size > 1, dtype=cfg.dtype)
+        self.impl = resolve_impl(attention_impl, sharded=act is not None and act.mesh.size > 1, dtype=cfg.dtype,
+                                 head_dim=cfg.head_dim, page_size=page_size)
+        self.layout = pool_layout(self.impl)
         self.graphdef, self.params = nnx.split(model)
         shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+        if self.layout == HEADS:
+            shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
         if act is not None:
-            spec = spec_for(shape, (None, "kv_heads", None, "head_dim"), act.rules, act.mesh)
+            spec = spec_for(shape, POOL_AXES[self.layout], act.rules, act.mesh)
             self.pool_sharding = NamedSharding(act.mesh, spec)
             self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
         else:
@@ -136,7 +141,8 @@ class ModelRunner:
             self.param_shardings = None
         self._zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype)), out_shardings=self.pool_sharding)
         self.k_pages, self.v_pages = self._new_pools()
-        self._write = jax.jit(_write_sequence, donate_argnames=("k_pages", "v_pages"))
+        self._write = jax.jit(functools.partial(_write_sequence, layout=self.layout),
+                              donate_argnames=("k_pages", "v_pages"))
         self._prefill = jax.jit(_prefill_program, static_argnames=("graphdef", "impl"),
                                 donate_argnames=("k_pages", "v_pages"))
         self._decode = jax.jit(_decode_program, static_argnames=("graphdef", "max_steps", "impl"),

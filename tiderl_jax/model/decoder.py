@@ -177,39 +177,71 @@ def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, chu
 
 # The train step's attention (the full-sequence mode; `trainer.attention_impl`, set on the model as
 # `train_attention`): "xla", `attend_causal` over the [t, t] causal-and-same-segment mask; "pallas_gpu", JAX's
-# Pallas flash attention for GPUs (`jax.experimental.pallas.ops.gpu.attention.mha`: causal, segment ids, its own
-# backward), never materialising a mask or the scores, per shard of a mesh under shard_map (a kernel has no
-# partitioning rule); elsewhere than on a GPU it runs in Pallas' interpret mode (how the tests check it).
-TRAIN_ATTENTION = ("xla", "pallas_gpu")
+# Pallas flash attention for GPUs (`jax.experimental.pallas.ops.gpu.attention.mha`); "pallas_tpu", JAX's splash
+# attention for TPUs (`...ops.tpu.splash_attention`, a causal mask with segment ids); both causal with segment
+# ids and their own backward, never materialising a mask or the scores, per shard of a mesh under shard_map (a
+# kernel has no partitioning rule). Off its platform a kernel runs in Pallas' interpret mode (how the tests
+# check it).
+TRAIN_ATTENTION = ("xla", "pallas_gpu", "pallas_tpu")
+KERNEL_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 
-def attend_segments_pallas(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                           constrain=None) -> jax.Array | None:
-    """Causal attention within segments through the Pallas kernel: q [b, t, heads, d]; k, v [b, kv_heads, t, d];
-    segment_ids [b, t] (equal ids attend, causally). None where the kernel does not apply (rows not a multiple of
-    16 tokens, or the sequence split over a mesh axis): the caller takes the xla path."""
+def _flash_gpu(q, k, v, ids):
+    """JAX's GPU flash attention: q, k, v [b, t, heads, d]; rows a multiple of 16 tokens."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-
-    b, t, h, d = q.shape
-    block = next((n for n in (128, 64, 32, 16) if t % n == 0), None)
-    if block is None:
-        return None
+    block = next(n for n in (128, 64, 32, 16) if q.shape[1] % n == 0)
     small = min(block, 32)
     sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=small, block_kv_dkv=small,
                                         block_q_dq=small, block_kv_dq=small)
+    return pallas_attention.mha(q, k, v, ids, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=sizes,
+                                interpret=jax.default_backend() != "gpu")
+
+
+def _splash_tpu(q, k, v, ids):
+    """JAX's TPU splash attention: q, k, v [b, t, heads, d]; rows a multiple of 128 tokens (a TPU lane)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+    b, t, h, d = q.shape
+    block = next(n for n in (512, 256, 128) if t % n == 0)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    kernel = splash.make_splash_mha(splash_mask.MultiHeadMask([splash_mask.CausalMask((t, t))] * h),
+                                    head_shards=1, q_seq_shards=1, block_sizes=sizes,
+                                    interpret=jax.default_backend() != "tpu")
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
+        heads_first(q * (d ** -0.5)).astype(q.dtype), heads_first(k), heads_first(v), ids)
+    return heads_first(out)
+
+
+TRAIN_KERNELS = {"pallas_gpu": (_flash_gpu, 16), "pallas_tpu": (_splash_tpu, 128)}  # kernel, rows a multiple of
+
+
+@flax.struct.dataclass
+class KernelSegments:
+    """The full-sequence mode's segment ids [b, t] for a fused kernel, and which (`TRAIN_ATTENTION`)."""
+    ids: jax.Array
+    kernel: str = flax.struct.field(pytree_node=False, default="pallas_gpu")
+
+
+def attend_segments_pallas(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                           constrain=None, kernel: str = "pallas_gpu") -> jax.Array | None:
+    """Causal attention within segments through a Pallas kernel: q [b, t, heads, d]; k, v [b, kv_heads, t, d];
+    segment_ids [b, t] (equal ids attend, causally). None where the kernel does not apply (rows not a multiple of
+    its block, or the sequence split over a mesh axis): the caller takes the xla path."""
+    fn, multiple = TRAIN_KERNELS[kernel]
+    b, t, h, d = q.shape
+    if t % multiple:
+        return None
     group = h // k.shape[1]  # grouped-query heads: each key / value head repeated for its query heads
     k = jnp.repeat(k.transpose(0, 2, 1, 3), group, axis=2)
     v = jnp.repeat(v.transpose(0, 2, 1, 3), group, axis=2)
-
-    def kernel(q, k, v, ids):
-        return pallas_attention.mha(q, k, v, ids, sm_scale=d ** -0.5, causal=True, block_sizes=sizes,
-                                    interpret=jax.default_backend() != "gpu")
     if constrain is None:
-        return kernel(q, k, v, segment_ids)
+        return fn(q, k, v, segment_ids)
     spec = spec_for(q.shape, ("batch", "seq", "q_heads", "head_dim"), constrain.rules, constrain.mesh)
     if spec[1] is not None:  # context parallelism: each shard would miss the other shards' keys
         return None
-    return jax.shard_map(kernel, mesh=constrain.mesh, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(spec[0], None)),
+    return jax.shard_map(fn, mesh=constrain.mesh, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(spec[0], None)),
                          out_specs=spec, check_vma=False)(q, k, v, segment_ids)
 
 
@@ -314,10 +346,11 @@ class Attention(nnx.Module):
         if cache is None:
             out = None
             if segments is not None:
-                out = attend_segments_pallas(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segments, constrain)
+                out = attend_segments_pallas(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segments.ids,
+                                             constrain, segments.kernel)
             if out is None:
                 if mask is None:
-                    mask = _segment_mask(segments)
+                    mask = _segment_mask(segments.ids)
                 out = attend_causal(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
             layer_state = None
         else:
@@ -444,8 +477,9 @@ class Decoder(nnx.Module):
             x = constrain(x, ("batch", "seq", None))
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a compile-time constant, not state
         mask = segments = None
-        if cache is None and self.train_attention == "pallas_gpu":  # the kernel takes the ids, not a mask
-            segments = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        if cache is None and self.train_attention in TRAIN_KERNELS:  # the kernel takes the ids, not a mask
+            ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+            segments = KernelSegments(ids, self.train_attention)
         elif cache is None:
             mask = _segment_mask(segment_ids, b, t)
         elif segment_ids is not None:

@@ -56,7 +56,8 @@ class TrainerConfig:
     # a recomputed forward; the gradients are the same (`Trainer.memory_plan` measures the memory)
     remat: str = "none"
     # the train step's attention (`model/decoder.py`'s TRAIN_ATTENTION): "auto" takes JAX's Pallas flash attention
-    # on a GPU ("pallas_gpu") and the chunked XLA attention elsewhere ("xla")
+    # on a GPU ("pallas_gpu"), its splash attention on a TPU ("pallas_tpu"), the chunked XLA attention elsewhere
+    # ("xla")
     attention_impl: str = "auto"
 
     def __post_init__(self):
@@ -125,4 +126,4 @@ def train_attention(cfg: TrainerConfig) -> str:
     """The train step's attention on this platform: `attention_impl`, "auto" resolved."""
     if cfg.attention_impl != "auto":
         return cfg.attention_impl
-    return "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
+    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "xla")
