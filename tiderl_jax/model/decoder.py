@@ -435,6 +435,9 @@ class Decoder(nnx.Module):
         self.activation_sharding = None
         # `REMAT_POLICIES`' name for the full-sequence mode, set by the trainer (`trainer.remat`); static
         self.remat = "none"
+        # the full-sequence mode's layers as one `jax.lax.scan` over their stacked weights (`trainer.scan_layers`):
+        # one compiled layer instead of num_layers; static
+        self.scan_layers = False
         # TRAIN_ATTENTION's name for the full-sequence mode, set by the trainer (`trainer.attention_impl`); static
         self.train_attention = "xla"
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
@@ -443,6 +446,19 @@ class Decoder(nnx.Module):
                                   cfg.init_std, pd)
         if cfg.is_vision:  # created last: the text parameters equal a text-only model's of the same seed
             self.patch_embed = PatchEmbed(cfg, rngs)
+
+    def _scanned_layers(self, x, positions, inv_freq, mask, constrain, segments, policy):
+        """The full-sequence mode's layers as one scan over their weights stacked on a leading axis (every layer
+        has the same structure), each step rematerialised by `policy` when remat is on."""
+        split = [nnx.split(layer) for layer in self.layers]
+        graphdef = split[0][0]
+        stacked = jax.tree.map(lambda *w: jnp.stack(w), *(state for _, state in split))
+
+        def body(h, weights):
+            return nnx.merge(graphdef, weights)(h, positions, inv_freq, mask, None, 0, constrain, segments)[0], None
+        if self.remat != "none":
+            body = jax.checkpoint(body, policy=policy)
+        return jax.lax.scan(body, x, stacked)[0]
 
     def __call__(
         self,
@@ -486,7 +502,9 @@ class Decoder(nnx.Module):
             raise ValueError("segment_ids apply to the full-sequence mode, not the cached mode")
         layer_states = []
         policy = REMAT_POLICIES[self.remat] if cache is None else None
-        for i, layer in enumerate(self.layers):
+        if cache is None and self.scan_layers:
+            x = self._scanned_layers(x, positions, inv_freq, mask, constrain, segments, policy)
+        for i, layer in enumerate(self.layers if cache is not None or not self.scan_layers else ()):
             if self.remat != "none" and cache is None:  # the layer as a pure function of its weights and input
                 graphdef, weights = nnx.split(layer)
                 x, state = jax.checkpoint(

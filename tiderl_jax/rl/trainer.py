@@ -249,7 +249,7 @@ def step_memory(model_cfg: ModelConfig, config: TrainerConfig, mesh: Mesh, rules
     `Trainer.memory_plan` compiles), compiled for `mesh` from abstract weights: nothing is allocated, so a model
     larger than this machine is planned here (`benchmarks/memory_plan.py`; `check_fits` at start-up)."""
     model = nnx.eval_shape(lambda: init_decoder(model_cfg, seed=0))
-    model.remat, model.train_attention = config.remat, train_attention(config)
+    model.remat, model.train_attention, model.scan_layers = config.remat, train_attention(config), config.scan_layers
     model.activation_sharding = ActivationSharding(mesh, rules)
     graphdef, state = nnx.split(model)
     params = jax.tree.unflatten(jax.tree.structure(state), [
@@ -305,7 +305,7 @@ class Trainer:
                  mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES, ref_params=None):
         self.config = config
         self.mesh, self.rules = mesh, rules
-        model.remat = config.remat  # the train step's layers (the full-sequence mode only)
+        model.remat, model.scan_layers = config.remat, config.scan_layers  # the train step's layers (full mode)
         model.train_attention = train_attention(config)
         self.graphdef, params = nnx.split(model)
         # Our own copy: the train step donates its parameters, which must not be the caller's.

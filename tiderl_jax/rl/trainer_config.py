@@ -55,6 +55,9 @@ class TrainerConfig:
     # "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_out_proj"): less activation memory for
     # a recomputed forward; the gradients are the same (`Trainer.memory_plan` measures the memory)
     remat: str = "none"
+    # the train step's decoder layers as one `jax.lax.scan` over their stacked weights: one layer compiled instead
+    # of num_layers (the compile time of a deep model), for a copy of the weights stacked in each step
+    scan_layers: bool = False
     # the train step's attention (`model/decoder.py`'s TRAIN_ATTENTION): "auto" takes JAX's Pallas flash attention
     # on a GPU ("pallas_gpu"), its splash attention on a TPU ("pallas_tpu"), the chunked XLA attention elsewhere
     # ("xla")
