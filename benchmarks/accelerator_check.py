@@ -191,8 +191,8 @@ def main():
     lim = limits(quick)
     shape = dict(head_dim=SMOLLM2_135M_SHAPE.head_dim, page_size=16)
     rows = [lim, dict(check="kernels", platform=platform,
-                      engine_attention_auto_float32=resolve_impl("auto", sharded=False, dtype="float32", **shape),
-                      engine_attention_auto_bfloat16=resolve_impl("auto", sharded=False, dtype="bfloat16", **shape),
+                      engine_attention_auto_float32=resolve_impl("auto", dtype="float32", **shape),
+                      engine_attention_auto_bfloat16=resolve_impl("auto", dtype="bfloat16", **shape),
                       train_attention_auto=train_attention(TrainerConfig()))]
     for part in (lambda: [parity(quick)], lambda: [decode(quick, lim), decode(quick, lim, "xla")],
                  lambda: train(quick, lim)):

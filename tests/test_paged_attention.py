@@ -86,12 +86,11 @@ def test_cpu_kernel_reads_only_the_rows_own_pages_up_to_each_query():
                                atol=2e-5)
 
 
-def test_auto_takes_the_kernel_on_one_cpu_device_and_xla_elsewhere():
+def test_auto_takes_the_kernel_for_float32_on_the_cpu_and_xla_elsewhere():
     _kernel()
-    assert resolve_impl("auto", sharded=False, dtype="float32") == "cpu"
-    assert resolve_impl("auto", sharded=True, dtype="float32") == "xla"
-    assert resolve_impl("auto", sharded=False, dtype="bfloat16") == "xla"
-    assert resolve_impl("reference", sharded=False, dtype="float32") == "reference"
+    assert resolve_impl("auto", dtype="float32") == "cpu"
+    assert resolve_impl("auto", dtype="bfloat16") == "xla"
+    assert resolve_impl("reference", dtype="float32") == "reference"
     # a prefill chunk (more than MAX_QUERY_TOKENS queries per row) goes to the xla implementation
     args = _case(6, t=_kernel().MAX_QUERY_TOKENS + 1, width=8)
     np.testing.assert_allclose(np.asarray(PAGED_ATTENTION["cpu"](*args)),
@@ -136,3 +135,29 @@ def test_the_kernel_cache_key_follows_jaxlib_and_its_ffi_headers(tmp_path, monke
     next(headers.rglob("ffi.h")).write_text("// another version\n", encoding="utf-8")
     monkeypatch.setattr(jax.ffi, "include_dir", lambda: str(headers))
     assert cpu_attention._build() not in (first, upgraded)
+
+
+def test_a_tensor_parallel_engine_runs_the_cpu_kernel_per_kv_head_shard(monkeypatch):
+    """`auto` takes the kernel on a sharded CPU engine too: under shard_map, each device its own kv heads' pages."""
+    from flax import nnx
+
+    from conftest import FIXTURES
+    from engine_reference import greedy
+    from tiderl_jax.engine import pallas_attention
+    from tiderl_jax.engine.engine import Engine, EngineConfig
+    from tiderl_jax.engine.sampling import SamplingParams
+    from tiderl_jax.model.hf_io import load_hf_checkpoint
+    from tiderl_jax.model.sharding import DEFAULT_RULES, make_mesh, shard_model
+    _kernel()
+    per_shard = []
+    shard_map = jax.shard_map
+    monkeypatch.setattr(pallas_attention.jax, "shard_map", lambda f, **kw: per_shard.append(kw) or shard_map(f, **kw))
+    model = load_hf_checkpoint(FIXTURES / "qwen3")  # 2 kv heads
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 2}, devices=jax.devices()[:2])
+    engine = Engine(shard_model(nnx.clone(model), mesh, DEFAULT_RULES),
+                    EngineConfig(page_size=8, num_pages=64, max_seq_len=96, max_running=4, prefill_chunk=16))
+    assert engine.runner.impl == "cpu" and engine.runner.k_pages[0].sharding.spec[1] == "tensor"
+    prompts = [[3, 1, 4, 1, 5], list(range(40, 70))]
+    for p, o in zip(prompts, engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))):
+        assert o.new_tokens == greedy(model, p, 8)
+    assert per_shard and per_shard[0]["in_specs"][1][1] == "tensor"

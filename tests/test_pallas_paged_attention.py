@@ -108,11 +108,11 @@ def test_off_its_platform_a_kernel_names_the_platform(monkeypatch):
 
 def test_auto_takes_the_platforms_kernel_where_its_tiles_fit(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert resolve_impl("auto", sharded=True, dtype="bfloat16", head_dim=64, page_size=16) == "pallas_gpu"
-    assert resolve_impl("auto", sharded=False, dtype="float32", head_dim=8, page_size=16) == "xla"
+    assert resolve_impl("auto", dtype="bfloat16", head_dim=64, page_size=16) == "pallas_gpu"
+    assert resolve_impl("auto", dtype="float32", head_dim=8, page_size=16) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert resolve_impl("auto", sharded=True, dtype="bfloat16", head_dim=128, page_size=16) == "pallas_tpu"
-    assert resolve_impl("auto", sharded=True, dtype="bfloat16", head_dim=64, page_size=16) == "xla"
+    assert resolve_impl("auto", dtype="bfloat16", head_dim=128, page_size=16) == "pallas_tpu"
+    assert resolve_impl("auto", dtype="bfloat16", head_dim=64, page_size=16) == "xla"
 
 
 # ------------------------------------------------------------------------------------------ whole engines

@@ -10,7 +10,8 @@ Implementations (selected by name, so a kernel can be plugged in without touchin
   attention. Obviously correct; slow; used by tests.
 - `xla`: one gather of all rows' pages, one masked attention. Portable; every backend.
 - `cpu`: a C++ kernel that reads each row's pages in place (`cpu_attention.py`, `paged_attention.cc`, an
-  XLA FFI custom call built at first use) for decode and verify calls; prefill chunks go to `xla`.
+  XLA FFI custom call built at first use) for decode and verify calls, per kv-head shard on a sharded engine;
+  prefill chunks go to `xla`.
 - `pallas_gpu`, `pallas_tpu`: JAX's own Pallas paged-attention kernels (`pallas_attention.py`) for decode and
   verify calls, over pools laid out kv-head-major; prefill chunks go to `xla` over that layout. On a sharded
   engine they run per shard of the kv-head axis.
@@ -20,12 +21,13 @@ The pool's layout is its implementation's (`LAYOUT`): "pages" [num_pages, kv_hea
 (reference, xla, cpu) or "heads" [kv_heads, num_pages, page_size, head_dim] (the Pallas kernels).
 
 `EngineConfig.attention_impl="auto"` (the default) takes `pallas_gpu` / `pallas_tpu` on a GPU / TPU where the
-kernel's tiles fit the model's head_dim and the page size, `cpu` for an engine on one CPU device with a float32
-model when the kernel builds, else `xla` (`resolve_impl`).
+kernel's tiles fit the model's head_dim and the page size, `cpu` for a CPU engine (one device or sharded) with a
+float32 model when the kernel builds, else `xla` (`resolve_impl`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import flax.struct
@@ -37,7 +39,8 @@ from tiderl_jax.model.decoder import attend, einsum_f32
 
 TRASH_PAGE = 0
 PAGES, HEADS = "pages", "heads"  # the pool layouts
-POOL_AXES = {PAGES: (None, "kv_heads", None, "head_dim"), HEADS: pallas_attention.HEADS_MAJOR_AXES}
+HEADS_AXES = ("kv_heads", None, None, "head_dim")
+POOL_AXES = {PAGES: (None, "kv_heads", None, "head_dim"), HEADS: HEADS_AXES}
 
 
 def _mask(starts: jax.Array, t: int, span: int) -> jax.Array:
@@ -87,18 +90,22 @@ def paged_attention_xla(q, k_pool, v_pool, page_table, starts, layout=PAGES):
     return attend_gathered(q, k_pool[page_table], v_pool[page_table], starts)
 
 
-def _cpu(q, k_pool, v_pool, page_table, starts):
-    """The C++ kernel where it `handles` the call (decode, verification), else `xla` (a prefill chunk)."""
+def _cpu(q, k_pool, v_pool, page_table, starts, constrain=None):
+    """The C++ kernel where it `handles` the call (decode, verification), per kv-head shard on a sharded engine;
+    else `xla` (a prefill chunk)."""
     if cpu_attention.handles(q, k_pool, v_pool):
-        return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, page_table, starts)
+        return pallas_attention.per_kv_shard(cpu_attention.paged_attention_cpu, q, k_pool, v_pool, page_table,
+                                             starts, constrain, POOL_AXES[PAGES])
     return paged_attention_xla(q, k_pool, v_pool, page_table, starts)
 
 
 def _pallas(impl: str) -> Callable:
-    """JAX's kernel for decode and verify calls (at most MAX_QUERY_TOKENS per row), else `xla` (a prefill chunk)."""
+    """JAX's kernel for decode and verify calls (at most MAX_QUERY_TOKENS per row), per kv-head shard on a sharded
+    engine; else `xla` (a prefill chunk)."""
     def fn(q, k_pool, v_pool, page_table, starts, constrain=None):
         if q.shape[1] <= pallas_attention.MAX_QUERY_TOKENS:
-            return pallas_attention.paged_attention_pallas(impl, q, k_pool, v_pool, page_table, starts, constrain)
+            kernel = functools.partial(pallas_attention.paged_attention_pallas, impl)
+            return pallas_attention.per_kv_shard(kernel, q, k_pool, v_pool, page_table, starts, constrain, HEADS_AXES)
         return paged_attention_xla(q, k_pool, v_pool, page_table, starts, HEADS)
     return fn
 
@@ -111,20 +118,21 @@ PAGED_ATTENTION: dict[str, Callable] = {
     "pallas_tpu": _pallas("pallas_tpu"),
 }
 LAYOUT: dict[str, str] = {"pallas_gpu": HEADS, "pallas_tpu": HEADS}  # the others: PAGES
+KERNEL_IMPLS = ("cpu", "pallas_gpu", "pallas_tpu")  # run per kv-head shard (`constrain`: the engine's mesh)
 AUTO = "auto"
 
 
-def resolve_impl(name: str, *, sharded: bool, dtype, head_dim: int = 0, page_size: int = 0) -> str:
+def resolve_impl(name: str, *, dtype, head_dim: int = 0, page_size: int = 0) -> str:
     """The implementation an engine runs: `name` itself, or for "auto" JAX's Pallas kernel of a GPU / TPU where
-    its tiles fit (`pallas_attention.applies`), the CPU kernel where it applies (one CPU device, float32, the
-    kernel built), and `xla` elsewhere."""
+    its tiles fit (`pallas_attention.applies`), the CPU kernel where it applies (float32, the kernel built; per
+    kv-head shard on a sharded engine), and `xla` elsewhere."""
     if name != AUTO:
         return name
     platform = jax.default_backend()
     for impl, kernel_platform in pallas_attention.PLATFORM.items():
         if platform == kernel_platform:
             return impl if pallas_attention.applies(impl, head_dim=head_dim, page_size=page_size) else "xla"
-    if sharded or platform != "cpu" or jnp.dtype(dtype) != jnp.float32:
+    if platform != "cpu" or jnp.dtype(dtype) != jnp.float32:
         return "xla"
     return "cpu" if cpu_attention.available() else "xla"
 
@@ -177,7 +185,7 @@ class PagedKV:
         layout = pool_layout(self.impl)
         k_pool = write_pages(self.k_pages[i], k, self.page_table, self.starts, self.num_new, layout)
         v_pool = write_pages(self.v_pages[i], v, self.page_table, self.starts, self.num_new, layout)
-        per_shard = {"constrain": constrain} if self.impl in pallas_attention.PLATFORM else {}
+        per_shard = {"constrain": constrain} if self.impl in KERNEL_IMPLS else {}
         out = PAGED_ATTENTION[self.impl](q, k_pool, v_pool, self.page_table, self.starts, **per_shard)
         return out, (k_pool, v_pool)
 

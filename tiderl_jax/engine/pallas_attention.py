@@ -19,7 +19,8 @@ interleaved in one array per layer ([pages, page_size, 2 * kv_heads, head_dim]);
 and V pools and separate prefill / decode programs do not have that shape, so it is not used.
 
 A kernel has no partitioning rule, so on a sharded engine each runs under `jax.shard_map` over the pool's
-kv-head axis: every device attends its own heads over its own shard of the pool.
+kv-head axis (`per_kv_shard`, which the C++ `cpu` kernel uses too): every device attends its own heads over its
+own shard of the pool.
 
 Off their platform the kernels run in Pallas' interpret mode only when `TIDERL_PALLAS_INTERPRET=1` (the tests
 set it): an engine asked for `pallas_gpu` on a CPU otherwise fails naming the platform, instead of running
@@ -38,7 +39,6 @@ from jax.sharding import PartitionSpec
 from tiderl_jax.model.sharding import spec_for
 
 PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
-HEADS_MAJOR_AXES = ("kv_heads", None, None, "head_dim")
 MAX_QUERY_TOKENS = 8  # tokens per row a call may have to go to the kernel (decode, verification)
 
 
@@ -93,29 +93,32 @@ def _tpu(q, k_pool, v_pool, tables, lengths, *, interpret):
 KERNELS = {"pallas_gpu": _gpu, "pallas_tpu": _tpu}
 
 
-def paged_attention_pallas(impl: str, q, k_pool, v_pool, page_table, starts, constrain=None):
+def paged_attention_pallas(impl: str, q, k_pool, v_pool, page_table, starts):
     """q [b, t, h, d] (t <= MAX_QUERY_TOKENS); pools [kv, pages, ps, d]; page_table [b, P]; starts [b]
-    -> [b, t, h, d], each query over its row's keys up to its own position."""
+    -> [b, t, h, d], each query over its row's keys up to its own position. One device's (or shard's) call."""
     interpret = _check_platform(impl)
     b, t, h, d = q.shape
     span = page_table.shape[1] * k_pool.shape[2]
     # padding queries (a row's tokens past its real ones) may sit past the table's span: clamped, never read
     lengths = jnp.minimum(starts[:, None] + jnp.arange(1, t + 1, dtype=jnp.int32)[None, :], span).reshape(-1)
     rows_q = (q * (d ** -0.5)).astype(q.dtype).reshape(b * t, h, d)
-    tables = jnp.repeat(page_table, t, axis=0)
-    kernel = KERNELS[impl]
-
-    def call(q, k_pool, v_pool, tables, lengths):
-        return kernel(q, k_pool, v_pool, tables, lengths.astype(jnp.int32), interpret=interpret)
-
-    if constrain is None or constrain.mesh.size == 1:
-        return call(rows_q, k_pool, v_pool, tables, lengths).reshape(b, t, h, d)
-    pool_spec = spec_for(k_pool.shape, HEADS_MAJOR_AXES, constrain.rules, constrain.mesh)
-    if any(axis is not None for axis in pool_spec[1:]):  # a pool split other than by heads: every device all
-        pool_spec = PartitionSpec()
-    heads = pool_spec[0] if len(pool_spec) else None
-    q_spec = PartitionSpec(None, heads, None)  # h = kv * group: a kv-head split keeps each head with its group
-    out = jax.shard_map(call, mesh=constrain.mesh,
-                        in_specs=(q_spec, pool_spec, pool_spec, PartitionSpec(), PartitionSpec()),
-                        out_specs=q_spec, check_vma=False)(rows_q, k_pool, v_pool, tables, lengths)
+    out = KERNELS[impl](rows_q, k_pool, v_pool, jnp.repeat(page_table, t, axis=0), lengths, interpret=interpret)
     return out.reshape(b, t, h, d)
+
+
+def per_kv_shard(kernel, q, k_pool, v_pool, page_table, starts, constrain, pool_axes):
+    """`kernel` (q [b, t, h, d], pools, page_table, starts -> [b, t, h, d]: a custom call or a Pallas kernel, which
+    has no partitioning rule) on each device's kv heads under `jax.shard_map`: every device attends its own heads
+    over its own shard of the pool (`pool_axes`: the pool's logical axes, its kv-head axis named "kv_heads").
+    Without a mesh, one call."""
+    if constrain is None or constrain.mesh.size == 1:
+        return kernel(q, k_pool, v_pool, page_table, starts)
+    pool_spec = spec_for(k_pool.shape, pool_axes, constrain.rules, constrain.mesh)
+    heads_dim = pool_axes.index("kv_heads")
+    if any(axis is not None for i, axis in enumerate(pool_spec) if i != heads_dim):
+        pool_spec = PartitionSpec()  # a pool split other than by heads: every device attends all of it
+    heads = pool_spec[heads_dim] if len(pool_spec) else None
+    q_spec = PartitionSpec(None, None, heads, None)  # h = kv * group: a kv-head split keeps each head with its group
+    return jax.shard_map(kernel, mesh=constrain.mesh,
+                         in_specs=(q_spec, pool_spec, pool_spec, PartitionSpec(), PartitionSpec()),
+                         out_specs=q_spec, check_vma=False)(q, k_pool, v_pool, page_table, starts)

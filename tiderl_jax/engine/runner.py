@@ -124,9 +124,7 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         act = model.activation_sharding
-        # a one-device mesh is not sharded: the CPU kernel (a custom call with no partitioning rule) applies
-        self.impl = resolve_impl(attention_impl, sharded=act is not None and act.mesh.size > 1, dtype=cfg.dtype,
-                                 head_dim=cfg.head_dim, page_size=page_size)
+        self.impl = resolve_impl(attention_impl, dtype=cfg.dtype, head_dim=cfg.head_dim, page_size=page_size)
         self.layout = pool_layout(self.impl)
         self.graphdef, self.params = nnx.split(model)
         shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
