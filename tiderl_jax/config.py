@@ -602,6 +602,12 @@ def build(cfg):
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
                           f"{model.cfg.vocab_size}; raise config.model.vocab_size")
+    trainer = cfg.get("trainer", {})
+    if trainer.get("lora_rank", 0):  # before anything copies the model: engines, trainer, reference share them
+        from tiderl_jax.model.decoder import add_adapters
+        from tiderl_jax.model.sharding import shard_model
+        shard_model(add_adapters(model, int(trainer.lora_rank), float(trainer.lora_alpha),
+                                 tuple(trainer.lora_targets), seed=cfg.seed), mesh, rules)
     return mesh, rules, tokenizer, model
 
 

@@ -113,6 +113,11 @@ def _write_sequence(k_pages, v_pages, k, v, page_row, length, *, layout):
     return new_k, new_v
 
 
+def adapters(state):
+    """The LoRA adapters of a model's state (a weight sync of a LoRA-trained policy moves only these)."""
+    return nnx.split_state(state, nnx.LoRAParam, ...)[0]
+
+
 class ModelRunner:
     """Owns the parameters and the page pools on the engine's devices; runs the two programs."""
 
@@ -210,10 +215,15 @@ class ModelRunner:
         return seconds
 
     def set_params(self, params) -> None:
-        """New weights (an nnx.State like the model's), copied onto the engine's shardings: the
-        engine never shares buffers with a trainer, which donates its parameters at every step."""
+        """New weights (an nnx.State like the model's, or its LoRA adapters alone: `adapters`), copied onto the
+        engine's shardings: the engine never shares buffers with a trainer, which donates its parameters at every
+        step."""
         target = self.param_shardings if self.param_shardings is not None else jax.tree.map(
             lambda x: x.sharding, self.params)
+        if self.cfg.lora_rank and jax.tree.structure(params) == jax.tree.structure(adapters(self.params)):
+            base = nnx.split_state(self.params, nnx.LoRAParam, ...)[1]
+            self.params = nnx.merge_state(base, place_copy(params, adapters(target)))
+            return
         self.params = place_copy(params, target)
 
     def compile_count(self) -> int:

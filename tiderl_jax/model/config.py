@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear map
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # config.json key of a vision model's image fields (not an HF key): an exported vision model reads
 # back here with its image path (hf_io.py saves the patch embedding as extra tensors).
@@ -83,6 +84,12 @@ class ModelConfig:
     image_patch_dim: int = 0
     max_image_patches: int = 0  # patches per image (size of the learned patch position embedding)
     image_token_id: int | None = None  # the placeholder token each patch of an image stands on
+    # LoRA (the trainer's `lora_rank`, `lora_alpha`, `lora_targets`; `decoder.add_adapters`): low-rank adapters
+    # B(A(x)) * alpha / rank added to the `lora_targets` projections of every layer; 0: none. Not an HF key: an
+    # export merges them into the weights (`model/lora.py`).
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self):
         problems = []
@@ -101,6 +108,12 @@ class ModelConfig:
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {SUPPORTED_DTYPES}")
         problems += self._vision_problems()
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))  # a config's list too
+        if self.lora_rank < 0:
+            problems.append(f"lora_rank={self.lora_rank} must be >= 0 (0: no adapters)")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if unknown or (self.lora_rank and not self.lora_targets):
+            problems.append(f"lora_targets={tuple(self.lora_targets)} must be a non-empty subset of {LORA_TARGETS}")
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
 

@@ -23,8 +23,9 @@ the HF layout.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import flax.struct
 import jax
@@ -307,6 +308,44 @@ def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Arra
     return jax.vmap(one)(cache, new, starts)
 
 
+class Adapter(nnx.LoRA):
+    """LoRA on one projection: x @ A @ B * scale (A [in, rank] random, B [rank, out] zero: a new adapter changes
+    nothing), its parameters `nnx.LoRAParam`s (the trainer trains only those when the model has adapters)."""
+
+    def __init__(self, in_features: int, rank: int, out_features: int, scale: float, rngs: nnx.Rngs):
+        super().__init__(in_features, rank, out_features, rngs=rngs)
+        self.scale = scale
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return (super().__call__(x.astype(jnp.float32)) * self.scale).astype(x.dtype)
+
+
+def _adapted(module: nnx.Module, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """y (the projection `name` of x, [..., out] or [..., heads, d]) plus its adapter's term, if it has one."""
+    adapter = getattr(module, name + "_lora", None)
+    if adapter is None:
+        return y
+    return y + adapter(x).reshape(y.shape)
+
+
+def add_adapters(model: "Decoder", rank: int, alpha: float, targets: Sequence[str], seed: int = 0) -> "Decoder":
+    """Gives `model` (in place) LoRA adapters of `rank` on the `targets` projections of every layer, scaled by
+    alpha / rank, and records them in its config; the base weights are untouched. Adapters start at zero (B = 0),
+    so the adapted model computes what the base does. On a mesh, place the model again (`shard_model`)."""
+    cfg = dataclasses.replace(model.cfg, lora_rank=rank, lora_alpha=alpha, lora_targets=tuple(targets))
+    rngs = nnx.Rngs(params=seed)  # a stream of its own: the base weights of a seed stay those of the same seed
+    e, h, kv, d, m = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    shapes = {"q_proj": (e, h * d), "k_proj": (e, kv * d), "v_proj": (e, kv * d), "o_proj": (h * d, e),
+              "gate_proj": (e, m), "up_proj": (e, m), "down_proj": (m, e)}
+    for layer in model.layers:
+        for name in cfg.lora_targets:
+            owner = layer.attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp
+            setattr(owner, name + "_lora", Adapter(*shapes[name][:1], rank, shapes[name][1], alpha / rank, rngs))
+        layer.attn.cfg = cfg
+    model.cfg = cfg
+    return model
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -330,9 +369,9 @@ class Attention(nnx.Module):
         Full mode: `mask` [b, t, t]. Cached mode: the cache stores k/v and builds its own mask.
         """
         cfg, dt = self.cfg, x.dtype
-        q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("bte,ehd->bthd", x, self.v_proj[...].astype(dt))
+        q = _adapted(self, "q_proj", x, jnp.einsum("bte,ehd->bthd", x, self.q_proj[...].astype(dt)))
+        k = _adapted(self, "k_proj", x, jnp.einsum("bte,ehd->bthd", x, self.k_proj[...].astype(dt)))
+        v = _adapted(self, "v_proj", x, jnp.einsum("bte,ehd->bthd", x, self.v_proj[...].astype(dt)))
         if cfg.attention_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -359,7 +398,8 @@ class Attention(nnx.Module):
         # transpose the [h, d, e] weight at every call (a copy of the whole matrix per layer per step).
         b, t, h, d = out.shape
         o_proj = self.o_proj[...].astype(dt).reshape(h * d, -1)
-        return (out.reshape(b, t, h * d) @ o_proj), layer_state
+        flat = out.reshape(b, t, h * d)
+        return _adapted(self, "o_proj", flat, flat @ o_proj), layer_state
 
 
 class MLP(nnx.Module):
@@ -373,9 +413,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        gate = x @ self.gate_proj[...].astype(dt)
-        up = x @ self.up_proj[...].astype(dt)
-        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+        gate = _adapted(self, "gate_proj", x, x @ self.gate_proj[...].astype(dt))
+        up = _adapted(self, "up_proj", x, x @ self.up_proj[...].astype(dt))
+        act = jax.nn.silu(gate) * up
+        return _adapted(self, "down_proj", act, act @ self.down_proj[...].astype(dt))
 
 
 class PatchEmbed(nnx.Module):
@@ -446,6 +487,8 @@ class Decoder(nnx.Module):
                                   cfg.init_std, pd)
         if cfg.is_vision:  # created last: the text parameters equal a text-only model's of the same seed
             self.patch_embed = PatchEmbed(cfg, rngs)
+        if cfg.lora_rank:  # from a stream of their own: the base weights equal an unadapted model's
+            add_adapters(self, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
 
     def _scanned_layers(self, x, positions, inv_freq, mask, constrain, segments, policy):
         """The full-sequence mode's layers as one scan over their weights stacked on a leading axis (every layer
@@ -533,6 +576,25 @@ class Decoder(nnx.Module):
             w = self.embed[...].astype(dt)
             return einsum_f32("bte,ve->btv", hidden, w)
         return einsum_f32("bte,ev->btv", hidden, self.lm_head[...].astype(dt))
+
+
+def merge_adapters(model: "Decoder") -> "Decoder":
+    """A model without adapters computing what `model` does: each adapted weight W + scale * A @ B (an export's
+    form, `hf_io.save_hf_checkpoint`). `model` itself when it has none."""
+    if not model.cfg.lora_rank:
+        return model
+    plain = nnx.eval_shape(lambda: Decoder(dataclasses.replace(model.cfg, lora_rank=0), rngs=nnx.Rngs(0)))
+    nnx.update(plain, nnx.split_state(nnx.state(model), nnx.LoRAParam, ...)[1])
+    for layer, source in zip(plain.layers, model.layers):
+        for owner, adapted in ((layer.attn, source.attn), (layer.mlp, source.mlp)):
+            for name in model.cfg.lora_targets:
+                adapter = getattr(adapted, name + "_lora", None)
+                if adapter is not None:
+                    w = getattr(owner, name)
+                    delta = adapter.scale * (adapter.lora_a[...] @ adapter.lora_b[...])
+                    w[...] = (w[...].astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+    plain.activation_sharding = model.activation_sharding
+    return plain
 
 
 def init_decoder(cfg: ModelConfig, seed: int = 0) -> Decoder:

@@ -38,7 +38,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from tiderl_jax.model.config import ConfigError, ModelConfig, read_json_object
-from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.model.decoder import Decoder, merge_adapters
 from tiderl_jax.model.sharding import ActivationSharding, DEFAULT_RULES, Rules, state_shardings
 from tiderl_jax.model.tokenizer import Tokenizer
 
@@ -319,6 +319,7 @@ def save_hf_checkpoint(model: Decoder, path: str | os.PathLike, *,
     shard. In a multi-process run every process gathers (a collective) and process 0 writes.
     Returns the safetensors file names.
     """
+    model = merge_adapters(model)  # LoRA's adapters merged into the weights: an HF checkpoint has no adapters
     cfg = model.cfg
     path = pathlib.Path(path)
     write = jax.process_index() == 0

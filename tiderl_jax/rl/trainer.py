@@ -51,10 +51,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiderl_jax import interrupts
 from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.engine.buckets import bucket, pow2_buckets
-from tiderl_jax.model.config import ModelConfig
-from tiderl_jax.model.decoder import Decoder, init_decoder
+from tiderl_jax.model.config import ConfigError, ModelConfig
+from tiderl_jax.model.decoder import Decoder, add_adapters, init_decoder
 from tiderl_jax.model.sharding import (DEFAULT_RULES, ActivationSharding, Rules, from_host, host_value, place_copy,
-                                       put, spec_for, state_shardings)
+                                       put, shard_model, spec_for, state_shardings)
 from tiderl_jax.rl import losses, shared_prompt
 from tiderl_jax.rl.advantages import gae_advantages, group_advantages
 from tiderl_jax.rl.batch import PackedBatch, pack
@@ -125,15 +125,17 @@ class ValueHead(nnx.Module):
         return hidden.astype(jnp.float32) @ self.w[...] + self.b[...]
 
 
-def _forward(graphdefs, params, micro, temperature):
+def _forward(graphdefs, params, micro, temperature, frozen=None):
     """(logp, entropy, values or None), each `[b, t]` and shifted like `token_logprobs`: the value
-    of token t is the critic's estimate at the state before it (position t - 1)."""
+    of token t is the critic's estimate at the state before it (position t - 1). `frozen`: the policy's weights
+    that `params` leaves out (LoRA's base: `params` then holds the adapters)."""
+    policy = lambda p: nnx.merge(graphdefs[0], p) if frozen is None else nnx.merge(graphdefs[0], frozen, p)  # noqa: E731
     if graphdefs[1] is None:
-        model = nnx.merge(graphdefs[0], params)
+        model = policy(params)
         logp, entropy = token_logprobs(model, micro["tokens"], micro["positions"], micro["segment_ids"],
                                        temperature, micro.get("patches"), micro.get("patch_index"))
         return logp, entropy, None
-    model, head = nnx.merge(graphdefs[0], params[0]), nnx.merge(graphdefs[1], params[1])
+    model, head = policy(params[0]), nnx.merge(graphdefs[1], params[1])
     tokens = micro["tokens"]
     hidden, _ = model(tokens, micro["positions"], segment_ids=micro["segment_ids"],
                       patches=micro.get("patches"), patch_index=micro.get("patch_index"), return_hidden=True)
@@ -151,8 +153,8 @@ def _score_program(graphdefs, temperature, params, batch):
     return jax.lax.map(one, {k: batch[k] for k in _INPUTS if k in batch})
 
 
-def _micro_loss(graphdefs, cfg: TrainerConfig, kind: str, params, micro, num_tokens, num_sequences):
-    logp, entropy, values = _forward(graphdefs, params, micro, cfg.temperature)
+def _micro_loss(graphdefs, cfg: TrainerConfig, kind: str, params, micro, num_tokens, num_sequences, frozen=None):
+    logp, entropy, values = _forward(graphdefs, params, micro, cfg.temperature, frozen)
     mask = micro["mask"]
     if kind == "sft":
         nll = -jnp.sum(jnp.where(mask > 0, logp, 0.0)) / jnp.maximum(num_tokens, 1)
@@ -195,16 +197,17 @@ def _shared_loss(cfg: TrainerConfig) -> shared_prompt.ResponseLoss:
     return shared_prompt.ResponseLoss(_fixed_norm(cfg).loss, cfg.decoupled)
 
 
-def _train_program(graphdefs, tx, cfg: TrainerConfig, kind: str, params, opt_state, batch, shared=()):
+def _train_program(graphdefs, tx, cfg: TrainerConfig, kind: str, params, opt_state, batch, shared=(), frozen=None):
     """`batch`: the packed micro-batches (absent when every sample is in a shared group) and the step's
-    counts; `shared`: the shared groups' stacked shape classes (`rl/shared_prompt.py`)."""
+    counts; `shared`: the shared groups' stacked shape classes (`rl/shared_prompt.py`); `params` the trained
+    weights, `frozen` (LoRA's base) the policy's others: no gradient, no optimizer state."""
     batch = dict(batch)
     num_tokens, num_sequences = batch.pop("num_tokens"), batch.pop("num_sequences")
     grad_fn = jax.value_and_grad(functools.partial(_micro_loss, graphdefs, cfg, kind), has_aux=True)
     grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
     def body(acc, micro):
-        (_, metrics), grads = grad_fn(params, micro, num_tokens, num_sequences)
+        (_, metrics), grads = grad_fn(params, micro, num_tokens, num_sequences, frozen)
         return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), metrics
 
     parts = []
@@ -248,6 +251,9 @@ def step_memory(model_cfg: ModelConfig, config: TrainerConfig, mesh: Mesh, rules
     `row_len` tokens, the optimizer update included (`kind="gradients"`: up to the gradient, the program
     `Trainer.memory_plan` compiles), compiled for `mesh` from abstract weights: nothing is allocated, so a model
     larger than this machine is planned here (`benchmarks/memory_plan.py`; `check_fits` at start-up)."""
+    if config.lora_rank:
+        model_cfg = dataclasses.replace(model_cfg, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
+                                        lora_targets=config.lora_targets)
     model = nnx.eval_shape(lambda: init_decoder(model_cfg, seed=0))
     model.remat, model.train_attention, model.scan_layers = config.remat, train_attention(config), config.scan_layers
     model.activation_sharding = ActivationSharding(mesh, rules)
@@ -255,6 +261,7 @@ def step_memory(model_cfg: ModelConfig, config: TrainerConfig, mesh: Mesh, rules
     params = jax.tree.unflatten(jax.tree.structure(state), [
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         for x, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings(state, mesh, rules)))])
+    params, frozen = nnx.split_state(params, nnx.LoRAParam, ...) if config.lora_rank else (params, None)
     tx = make_optimizer(config)
     ps = jax.tree.map(lambda x: x.sharding, params)
     os_ = opt_state_shardings(tx, params, ps, mesh)
@@ -269,10 +276,10 @@ def step_memory(model_cfg: ModelConfig, config: TrainerConfig, mesh: Mesh, rules
              for k, v in arrays.items()}
     rep = NamedSharding(mesh, PartitionSpec())
     fn = functools.partial(_train_program, (graphdef, None), tx, _fixed_norm(config), kind)
-    program = jax.jit(fn, in_shardings=(ps, os_, shardings, []),
+    program = jax.jit(fn, in_shardings=(ps, os_, shardings, [], jax.tree.map(lambda x: x.sharding, frozen)),
                       out_shardings=(ps, rep) if kind == "gradients" else (ps, os_, rep),
                       donate_argnums=() if kind == "gradients" else (0, 1))
-    return program.lower(params, opt_state, batch, []).compile().memory_analysis()
+    return program.lower(params, opt_state, batch, [], frozen).compile().memory_analysis()
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, trainable, shardings, mesh: Mesh):
@@ -307,6 +314,14 @@ class Trainer:
         self.mesh, self.rules = mesh, rules
         model.remat, model.scan_layers = config.remat, config.scan_layers  # the train step's layers (full mode)
         model.train_attention = train_attention(config)
+        if config.lora_rank and not model.cfg.lora_rank:  # (the main job's model has them from `config.build`)
+            add_adapters(model, config.lora_rank, config.lora_alpha, config.lora_targets)
+            if mesh is not None:
+                shard_model(model, mesh, rules)
+        if model.cfg.lora_rank != config.lora_rank:
+            raise ConfigError(f"the model's LoRA rank is {model.cfg.lora_rank} and trainer.lora_rank "
+                              f"{config.lora_rank}: build the model with the trainer's adapters")
+        self.lora = config.lora_rank > 0  # only the adapters train (`_trainable`); the base is `_frozen`
         self.graphdef, params = nnx.split(model)
         # Our own copy: the train step donates its parameters, which must not be the caller's.
         self.params = place_copy(params, jax.tree.map(lambda x: x.sharding, params))
@@ -349,8 +364,13 @@ class Trainer:
         return float(self.schedule(count))
 
     def _trainable(self):
-        """What the optimizer updates: the policy, or (policy, value head) with GAE."""
-        return self.params if self.value_params is None else (self.params, self.value_params)
+        """What the optimizer updates: the policy (with LoRA its adapters), or (that, value head) with GAE."""
+        policy = nnx.split_state(self.params, nnx.LoRAParam, ...)[0] if self.lora else self.params
+        return policy if self.value_params is None else (policy, self.value_params)
+
+    def _frozen(self):
+        """The policy's weights the optimizer leaves alone: LoRA's base, else None."""
+        return nnx.split_state(self.params, nnx.LoRAParam, ...)[1] if self.lora else None
 
     def _graphdefs(self):
         return (self.graphdef, self.value_graphdef)
@@ -470,7 +490,7 @@ class Trainer:
         batch = self._put(arrays)
         classes = self._put_shared(shared.classes) if shared else []
 
-        graphdefs, trainable = self._graphdefs(), self._trainable()
+        graphdefs, trainable, frozen = self._graphdefs(), self._trainable(), self._frozen()
 
         def build():
             fn = functools.partial(_train_program, graphdefs, self.tx, _fixed_norm(self.config), kind)
@@ -479,24 +499,27 @@ class Trainer:
                 return jax.jit(fn, donate_argnums=donate)
             ps, os_ = self._shardings(trainable), self._shardings(self.opt_state)
             rep = NamedSharding(self.mesh, PartitionSpec())
-            return jax.jit(fn, in_shardings=(ps, os_, self._batch_sharding(batch), jax.tree.map(lambda _: rep, classes)),
+            return jax.jit(fn, in_shardings=(ps, os_, self._batch_sharding(batch), jax.tree.map(lambda _: rep, classes),
+                                             self._shardings(frozen)),
                            out_shardings=(ps, rep) if kind == "gradients" else (ps, os_, rep), donate_argnums=donate)
         key = (kind, tuple(sorted((k, np.shape(v)) for k, v in arrays.items())),
                tuple(tuple(sorted((k, v.shape) for k, v in c.items())) for c in classes))
         if not apply:
             copies = jax.tree.map(lambda x: x.copy(), (trainable, self.opt_state))
-            jax.block_until_ready(self._program(key, build)(*copies, batch, classes))
+            jax.block_until_ready(self._program(key, build)(*copies, batch, classes, frozen))
             return {}
         if kind == "gradients":
-            grads, metrics = self._program(key, build)(trainable, self.opt_state, batch, classes)
+            grads, metrics = self._program(key, build)(trainable, self.opt_state, batch, classes, frozen)
             return {"gradients": grads, **{k: float(v) for k, v in metrics.items()}}
         lr = self.learning_rate()  # read before the step: it donates the optimizer state
         with interrupts.deferred():  # Ctrl-C after the donation but before the stores would lose the state
-            trainable, self.opt_state, metrics = self._program(key, build)(trainable, self.opt_state, batch, classes)
+            trainable, self.opt_state, metrics = self._program(key, build)(trainable, self.opt_state, batch, classes,
+                                                                           frozen)
             if self.value_params is not None:
-                self.params, self.value_params = trainable
+                policy, self.value_params = trainable
             else:
-                self.params = trainable
+                policy = trainable
+            self.params = nnx.merge_state(frozen, policy) if self.lora else policy
             self.step_count += 1
         metrics = dict({k: float(v) for k, v in metrics.items()}, lr=lr)
         if metrics["skipped"]:

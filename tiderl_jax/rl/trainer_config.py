@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tiderl_jax.model.config import ConfigError
+from tiderl_jax.model.config import LORA_TARGETS, ConfigError
 from tiderl_jax.model.decoder import REMAT_POLICIES, TRAIN_ATTENTION
 from tiderl_jax.rl import losses, shared_prompt
 
@@ -62,6 +62,12 @@ class TrainerConfig:
     # on a GPU ("pallas_gpu"), its splash attention on a TPU ("pallas_tpu"), the chunked XLA attention elsewhere
     # ("xla")
     attention_impl: str = "auto"
+    # LoRA: low-rank adapters of `lora_rank` (0: full fine-tuning) on the `lora_targets` projections of every
+    # layer, scaled by lora_alpha / lora_rank (`model/decoder.py`'s `add_adapters`); only they are trained (Adam's
+    # state is theirs alone), the rollout engine samples from the adapted model, and an export merges them
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self):
         problems = []
@@ -88,6 +94,14 @@ class TrainerConfig:
         elif self.shared_prompt != "off" and self.loss.advantage_estimator == "gae":
             problems.append(f"shared_prompt={self.shared_prompt!r} trains GRPO groups; PPO's value head "
                             "(advantage_estimator='gae') is trained on packed rows only: set shared_prompt='off'")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))  # a config's list too
+        if self.lora_rank < 0:
+            problems.append(f"lora_rank={self.lora_rank} must be >= 0 (0: full fine-tuning)")
+        if set(self.lora_targets) - set(LORA_TARGETS) or (self.lora_rank and not self.lora_targets):
+            problems.append(f"lora_targets={self.lora_targets} must be a non-empty subset of {LORA_TARGETS}")
+        if self.lora_rank and self.shared_prompt != "off":
+            problems.append("shared_prompt trains the whole model's shared-prompt gradients; with LoRA "
+                            "(lora_rank > 0) set shared_prompt='off'")
         if self.loss.aggregation == "sequence":
             problems.append("aggregation='sequence' is a per-row mean, which packed rows (several "
                             "sequences per row) do not have; use 'token' or 'constant'")

@@ -34,6 +34,7 @@ from flax import nnx
 from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
 from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.engine.engine import Engine, EngineConfig
+from tiderl_jax.engine.runner import adapters
 from tiderl_jax.model.decoder import Decoder
 from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, local_replica, place_copy
 from tiderl_jax.model.tokenizer import Tokenizer
@@ -116,6 +117,7 @@ class JaxBackend(HotSwitches):
                                          rollout_config.agent_timeout_s, max_context=rollout_config.max_context)
         self.sync = WeightSync()
         self.last_sync_error: str | None = None  # the last failed publish's error and stage (None after a success)
+        self.last_sync_bytes = 0  # the weights the last publish moved, over its replicas (LoRA: the adapters)
         self._init_switches()
 
     clock = staticmethod(time.perf_counter)
@@ -199,6 +201,9 @@ class JaxBackend(HotSwitches):
         """The trainer's weights to the engine as `version`; False (the reason in `last_sync_error`)
         when the sync failed and rolled back."""
         params = self.trainer.params
+        lora = self.trainer.lora  # only the adapters change: only they move (the engines keep the base)
+        if lora:
+            params = adapters(params)
         if self.multi:  # the two-phase move: gathered within the train devices (every process at once), then
             params = await asyncio.to_thread(local_replica, params)  # copied onto this host's replicas below
         if self.engine_workers:  # a host copy to each replica's parameter service, its worker and its standby
@@ -207,8 +212,8 @@ class JaxBackend(HotSwitches):
             return True
 
         def swap(rep):  # between two of this replica's engine steps
-            return self.sync.publish(params, version,
-                                     target_shardings=rep.engine.runner.param_shardings,
+            target = rep.engine.runner.param_shardings
+            return self.sync.publish(params, version, target_shardings=adapters(target) if lora and target is not None else target,
                                      drain=lambda: None, swap=rep.engine.update_params)
         # replicas lent to the trainer: they serve this version when they come back
         paused = [rep for rep in self._paused_replicas() if rep.driver is not None]
@@ -217,6 +222,7 @@ class JaxBackend(HotSwitches):
                                             *(rep.driver.command(lambda rep=rep: swap(rep)) for rep in paused)))
         records = records[0] + records[1:]
         failed = [(rep.id, r) for rep, r in zip(live, records) if not r.ok]
+        self.last_sync_bytes = sum(r.bytes for r in records if r.ok)
         self.last_sync_error = "; ".join(
             f"{r.error} (at the {r.stage} stage" + (f", replica {i})" if len(records) > 1 else ")") for i, r in failed
         ) or None

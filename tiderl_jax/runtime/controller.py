@@ -624,7 +624,8 @@ class Controller(Boundaries, Borrowing, Multihost):
                     ra2p_cost_decoupled=decision.cost_decoupled if decision else float("nan"),
                     rollout_devices=self.metrics.devices.get("rollout", 0),
                     compile_total_s=self._compile_seconds(),  # so a window's program loads can be read off
-                    sync_s=t_sync, exchange_total_s=self.cluster.exchange_s,  # multi-host: docs/multihost.md
+                    sync_s=t_sync, sync_bytes=getattr(self.backend, "last_sync_bytes", 0),
+                    exchange_total_s=self.cluster.exchange_s,  # multi-host: docs/multihost.md
                     **self._ers_log()))
                 if decision is not None:
                     log.info("RA2P: %s (colocated %.2fs, decoupled %.2fs)", decision.mode,

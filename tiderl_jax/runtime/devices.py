@@ -54,6 +54,7 @@ class SyncRecord:
     seconds: float
     stage: str  # the last stage reached: prepare, drain, move, publish
     error: str | None = None
+    bytes: int = 0  # of the weights moved (a LoRA-trained policy's: its adapters alone)
 
 
 class WeightSync:
@@ -77,7 +78,8 @@ class WeightSync:
             moved = jax.block_until_ready(place_copy(params, shardings))
             stage = "publish"
             swap(moved, version)
-            rec = SyncRecord(version, True, time.perf_counter() - t0, stage)
+            rec = SyncRecord(version, True, time.perf_counter() - t0, stage,
+                             bytes=sum(x.nbytes for x in jax.tree.leaves(moved)))
         except Exception as e:  # roll back: the engine keeps serving the previous version
             rec = SyncRecord(version, False, time.perf_counter() - t0, stage, f"{type(e).__name__}: {e}")
             log.warning("weight sync to version %d failed at %s (%s); rolled back", version, stage, rec.error)

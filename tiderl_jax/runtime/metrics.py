@@ -55,7 +55,7 @@ TAG_GROUPS = {
               "rollout_wait_total_s", "trainer_wait_total_s", "ras", "hol_s", "time_proximal_s", "time_ref_s",
               "time_update_s", "compile_total_s", "rollout_devices", "ra2p_decoupled", "ra2p_cost_colocated",
               "ra2p_cost_decoupled", "ers_train_coupling", "ers_scaling", "ers_rollout_scaling", "sync_s",
-              "exchange_total_s"),
+              "sync_bytes", "exchange_total_s"),
 }
 _GROUP_OF = {key: group for group, keys in TAG_GROUPS.items() for key in keys}
 
