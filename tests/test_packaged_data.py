@@ -127,6 +127,16 @@ def test_reasoning_gym_answer_fallbacks(rg):
         assert (r["score"], r["format"], r["answer"]) == (1.0, how, t.answer)
     assert packaged.extract_rg_answer("<answer>1</answer> then <answer>2</answer>") == ("2", "answer_tag")
     assert packaged.extract_rg_answer("nothing") == (None, "none")
+    # the last-number variant: prose answers score; tags still come first; no number, no answer
+    prose = f"First I add them. The answer is {t.answer}."
+    assert packaged.reasoning_gym_reward(t.kind, prose, t.answer, extra)["score"] == 0.0
+    r = packaged.reasoning_gym_last_number_reward(t.kind, prose, t.answer, extra)
+    assert (r["score"], r["format"]) == (1.0, "last_number")
+    assert packaged.reasoning_gym_last_number_reward(t.kind, f"<answer>{t.answer}</answer> 7", t.answer,
+                                                     extra)["format"] == "answer_tag"
+    assert packaged.extract_rg_answer("It is 1,234.", last_number=True) == ("1234", "last_number")
+    assert packaged.extract_rg_answer("no digits here", last_number=True) == (None, "none")
+    assert rewards.load_reward_fn("reasoning_gym_last_number").fn.__name__ == "reasoning_gym_last_number_reward"
 
 
 def test_tagged_json_keeps_tuples_sets_and_int_keys():

