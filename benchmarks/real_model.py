@@ -50,14 +50,14 @@ def _check_packages() -> None:
 
 
 def run(updates: int, heldout: int, logdir: str, *, gpu: bool = False, sampled: bool = False,
-        extra: list[str] = ()) -> dict:
+        extra: list[str] = (), preset: str = "smollm2_135m_gsm") -> dict:
     env = dict(os.environ)
     if gpu:
         env.pop("JAX_PLATFORMS", None)
     else:
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    args = [sys.executable, "launch/train.py", "--config=configs/smollm2_135m_gsm.py", f"--config.logdir={logdir}",
+    args = [sys.executable, "launch/train.py", f"--config=configs/{preset}.py", f"--config.logdir={logdir}",
             f"--config.controller.steps={updates}", f"--config.eval.tasks={heldout}",
             f"--config.controller.checkpoint_every={max(updates, 1)}", f"--config.eval.sampled={sampled}",
             *(["--config.model.dtype=bfloat16"] if gpu else []), *extra]
@@ -83,8 +83,11 @@ def run(updates: int, heldout: int, logdir: str, *, gpu: bool = False, sampled: 
         for line in open(log / "rollouts" / f"heldout_before_{name}.jsonl"):
             generated += sum(json.loads(line)["model_written"])
     before_s = summary["phases_s"]["held-out before"]
+    config = json.loads((log / "config.json").read_text())
     return dict(
         model="SmolLM2-135M-Instruct (Q4_1 GGUF, " + ("bfloat16" if gpu else "float32") + ")",
+        task=config["data"]["train_files"], lora_rank=config["trainer"]["lora_rank"],
+        dtype="bfloat16" if gpu else "float32",
         platform=summary.get("platform"), updates=summary["step"],
         heldout_tasks=summary["heldout_tasks"],
         heldout_before=summary["heldout_before"]["greedy"]["rate"],
@@ -109,13 +112,15 @@ def main():
     parser.add_argument("--sampled", action="store_true",
                         help="also evaluate sampled at the rollout temperature (doubles the evaluation time)")
     parser.add_argument("--logdir", default=None, help="the run's directory (default: a temporary one)")
+    parser.add_argument("--preset", default="smollm2_135m_gsm",
+                        help="configs/PRESET.py: smollm2_135m_gsm (GSM8K) or smollm2_135m_letters (LoRA, letter_counting)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     updates = args.updates or (2 if args.quick else 8)
     heldout = args.heldout or (16 if args.quick else 200)
     _check_packages()
     logdir = args.logdir or tempfile.mkdtemp(prefix="real_model_")
-    row = run(updates, heldout, logdir, gpu=args.gpu, sampled=args.sampled)
+    row = run(updates, heldout, logdir, gpu=args.gpu, sampled=args.sampled, preset=args.preset)
     print(f"{'model':<44} {'updates':>7} {'held-out':>8} {'before':>7} {'after':>7} {'rollout tok/s':>13} "
           f"{'train step s':>12} {'peak RSS GiB':>12}")
     print(f"{row['model']:<44} {row['updates']:>7} {row['heldout_tasks']:>8} {row['heldout_before']:>7.3f} "
