@@ -132,15 +132,15 @@ def test_the_hf_export_merges_the_adapters(tmp_path):
 def test_the_engine_samples_from_the_adapted_policy_and_a_sync_moves_only_the_adapters():
     from engine_reference import greedy
     from tiderl_jax.engine.engine import Engine, EngineConfig
-    from tiderl_jax.engine.runner import adapters
+    from tiderl_jax.model.decoder import split_adapters
     from tiderl_jax.engine.sampling import SamplingParams
     from tiderl_jax.runtime.devices import WeightSync
     trainer = _trained_lora_model()
     engine = Engine(init_decoder(dataclasses.replace(CFG, lora_rank=2), seed=6),  # adapters at zero
                     EngineConfig(page_size=8, num_pages=64, max_seq_len=96, max_running=4, prefill_chunk=16))
-    moved = adapters(trainer.params)
-    record = WeightSync().publish(moved, 1, target_shardings=adapters(engine.runner.param_shardings or
-                                                                      jax.tree.map(lambda x: x.sharding, engine.runner.params)),
+    moved = split_adapters(trainer.params)[0]
+    record = WeightSync().publish(moved, 1, target_shardings=split_adapters(engine.runner.param_shardings or
+                                                                      jax.tree.map(lambda x: x.sharding, engine.runner.params))[0],
                                   drain=lambda: None, swap=engine.update_params)
     assert record.ok, record.error
     total = sum(x.nbytes for x in jax.tree.leaves(trainer.params))

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from tiderl_jax.engine.buckets import bucket, half_pow2_buckets, pow2_buckets  # noqa: F401 (re-exported)
 from tiderl_jax.engine.paged_attention import HEADS, POOL_AXES, PagedKV, pool_layout, resolve_impl, write_pages
 from tiderl_jax.engine.sampling import row_keys, sample, verify_drafts
-from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.model.decoder import Decoder, split_adapters
 from tiderl_jax.model.sharding import place_copy, spec_for
 
 
@@ -111,11 +111,6 @@ def _write_sequence(k_pages, v_pages, k, v, page_row, length, *, layout):
     new_k = tuple(write_pages(kp, x.transpose(1, 0, 2)[None], table, start, n, layout) for kp, x in zip(k_pages, k))
     new_v = tuple(write_pages(vp, x.transpose(1, 0, 2)[None], table, start, n, layout) for vp, x in zip(v_pages, v))
     return new_k, new_v
-
-
-def adapters(state):
-    """The LoRA adapters of a model's state (a weight sync of a LoRA-trained policy moves only these)."""
-    return nnx.split_state(state, nnx.LoRAParam, ...)[0]
 
 
 class ModelRunner:
@@ -220,10 +215,11 @@ class ModelRunner:
         step."""
         target = self.param_shardings if self.param_shardings is not None else jax.tree.map(
             lambda x: x.sharding, self.params)
-        if self.cfg.lora_rank and jax.tree.structure(params) == jax.tree.structure(adapters(self.params)):
-            base = nnx.split_state(self.params, nnx.LoRAParam, ...)[1]
-            self.params = nnx.merge_state(base, place_copy(params, adapters(target)))
-            return
+        if self.cfg.lora_rank:
+            mine, base = split_adapters(self.params)
+            if jax.tree.structure(params) == jax.tree.structure(mine):
+                self.params = nnx.merge_state(base, place_copy(params, split_adapters(target)[0]))
+                return
         self.params = place_copy(params, target)
 
     def compile_count(self) -> int:

@@ -328,6 +328,12 @@ def _adapted(module: nnx.Module, name: str, x: jax.Array, y: jax.Array) -> jax.A
     return y + adapter(x).reshape(y.shape)
 
 
+def split_adapters(state):
+    """(LoRA adapters, everything else) of a model's state, or of a tree like it (its shardings): what a LoRA
+    trainer trains and keeps frozen, and what a weight sync moves (the adapters alone)."""
+    return nnx.split_state(state, nnx.LoRAParam, ...)
+
+
 def add_adapters(model: "Decoder", rank: int, alpha: float, targets: Sequence[str], seed: int = 0) -> "Decoder":
     """Gives `model` (in place) LoRA adapters of `rank` on the `targets` projections of every layer, scaled by
     alpha / rank, and records them in its config; the base weights are untouched. Adapters start at zero (B = 0),
@@ -584,7 +590,7 @@ def merge_adapters(model: "Decoder") -> "Decoder":
     if not model.cfg.lora_rank:
         return model
     plain = nnx.eval_shape(lambda: Decoder(dataclasses.replace(model.cfg, lora_rank=0), rngs=nnx.Rngs(0)))
-    nnx.update(plain, nnx.split_state(nnx.state(model), nnx.LoRAParam, ...)[1])
+    nnx.update(plain, split_adapters(nnx.state(model))[1])
     for layer, source in zip(plain.layers, model.layers):
         for owner, adapted in ((layer.attn, source.attn), (layer.mlp, source.mlp)):
             for name in model.cfg.lora_targets:

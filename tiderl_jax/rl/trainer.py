@@ -52,7 +52,7 @@ from tiderl_jax import interrupts
 from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.engine.buckets import bucket, pow2_buckets
 from tiderl_jax.model.config import ConfigError, ModelConfig
-from tiderl_jax.model.decoder import Decoder, add_adapters, init_decoder
+from tiderl_jax.model.decoder import Decoder, add_adapters, init_decoder, split_adapters
 from tiderl_jax.model.sharding import (DEFAULT_RULES, ActivationSharding, Rules, from_host, host_value, place_copy,
                                        put, shard_model, spec_for, state_shardings)
 from tiderl_jax.rl import losses, shared_prompt
@@ -261,7 +261,7 @@ def step_memory(model_cfg: ModelConfig, config: TrainerConfig, mesh: Mesh, rules
     params = jax.tree.unflatten(jax.tree.structure(state), [
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         for x, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings(state, mesh, rules)))])
-    params, frozen = nnx.split_state(params, nnx.LoRAParam, ...) if config.lora_rank else (params, None)
+    params, frozen = split_adapters(params) if config.lora_rank else (params, None)
     tx = make_optimizer(config)
     ps = jax.tree.map(lambda x: x.sharding, params)
     os_ = opt_state_shardings(tx, params, ps, mesh)
@@ -365,12 +365,12 @@ class Trainer:
 
     def _trainable(self):
         """What the optimizer updates: the policy (with LoRA its adapters), or (that, value head) with GAE."""
-        policy = nnx.split_state(self.params, nnx.LoRAParam, ...)[0] if self.lora else self.params
+        policy = split_adapters(self.params)[0] if self.lora else self.params
         return policy if self.value_params is None else (policy, self.value_params)
 
     def _frozen(self):
         """The policy's weights the optimizer leaves alone: LoRA's base, else None."""
-        return nnx.split_state(self.params, nnx.LoRAParam, ...)[1] if self.lora else None
+        return split_adapters(self.params)[1] if self.lora else None
 
     def _graphdefs(self):
         return (self.graphdef, self.value_graphdef)

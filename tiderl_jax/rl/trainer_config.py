@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from tiderl_jax.model.config import LORA_TARGETS, ConfigError
-from tiderl_jax.model.decoder import REMAT_POLICIES, TRAIN_ATTENTION
+from tiderl_jax.model.decoder import KERNEL_PLATFORM, REMAT_POLICIES, TRAIN_ATTENTION
 from tiderl_jax.rl import losses, shared_prompt
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -143,4 +143,5 @@ def train_attention(cfg: TrainerConfig) -> str:
     """The train step's attention on this platform: `attention_impl`, "auto" resolved."""
     if cfg.attention_impl != "auto":
         return cfg.attention_impl
-    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "xla")
+    platform = jax.default_backend()
+    return next((impl for impl, p in KERNEL_PLATFORM.items() if p == platform), "xla")

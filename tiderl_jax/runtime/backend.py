@@ -34,8 +34,7 @@ from flax import nnx
 from tiderl_jax.agents.rollout import RolloutConfig, RolloutRunner
 from tiderl_jax.trajectory import Trajectory
 from tiderl_jax.engine.engine import Engine, EngineConfig
-from tiderl_jax.engine.runner import adapters
-from tiderl_jax.model.decoder import Decoder
+from tiderl_jax.model.decoder import Decoder, split_adapters
 from tiderl_jax.model.sharding import DEFAULT_RULES, Rules, local_replica, place_copy
 from tiderl_jax.model.tokenizer import Tokenizer
 from tiderl_jax.policies import routing
@@ -203,7 +202,7 @@ class JaxBackend(HotSwitches):
         params = self.trainer.params
         lora = self.trainer.lora  # only the adapters change: only they move (the engines keep the base)
         if lora:
-            params = adapters(params)
+            params = split_adapters(params)[0]
         if self.multi:  # the two-phase move: gathered within the train devices (every process at once), then
             params = await asyncio.to_thread(local_replica, params)  # copied onto this host's replicas below
         if self.engine_workers:  # a host copy to each replica's parameter service, its worker and its standby
@@ -213,7 +212,7 @@ class JaxBackend(HotSwitches):
 
         def swap(rep):  # between two of this replica's engine steps
             target = rep.engine.runner.param_shardings
-            return self.sync.publish(params, version, target_shardings=adapters(target) if lora and target is not None else target,
+            return self.sync.publish(params, version, target_shardings=split_adapters(target)[0] if lora and target is not None else target,
                                      drain=lambda: None, swap=rep.engine.update_params)
         # replicas lent to the trainer: they serve this version when they come back
         paused = [rep for rep in self._paused_replicas() if rep.driver is not None]
