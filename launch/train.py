@@ -513,7 +513,8 @@ def _report(cfg, ccfg, controller, summary, before, after, phases, compiles, pla
                                 title=f"{controller.step} RL updates; the phases of this invocation above",
                                 phases=phases.spans_on(metrics.clock))
     curves = plots.learning_curves(os.path.join(cfg.logdir, "metrics.jsonl"), before, after, gains,
-                                   os.path.join(cfg.logdir, "learning.png"))
+                                   os.path.join(cfg.logdir, "learning.png"),
+                                   during_tasks=cfg.eval.get("during_tasks", 0) if cfg.eval.get("every", 0) else 0)
     reward = plots.reward_curve(os.path.join(cfg.logdir, "metrics.jsonl"), os.path.join(cfg.logdir, "reward_curve.png"))
     phases.enter("done")
     total = sum(phases.seconds.values())

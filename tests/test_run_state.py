@@ -177,6 +177,38 @@ def test_a_greedy_only_evaluation_is_summarised_and_plotted_without_the_sampled_
     assert any("greedy +0.250 [+0.000, +0.500]" in t for t in titles) and not any("sampled" in t for t in titles)
 
 
+def test_learning_png_draws_the_held_out_curve_during_rl_from_before_to_after(tmp_path):
+    """The evaluations during RL (metrics.jsonl's eval_reward) are drawn on learning.png between the same first
+    `during_tasks` held-out tasks before RL (update 0) and after it (the last update, when no evaluation ran
+    there); without evaluations during RL no such curve is drawn."""
+    from matplotlib.axes import Axes
+
+    from tiderl_jax.runtime import plots
+
+    before = {"greedy": {"kinds": ["k"] * 6, "rewards": [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]}}
+    after = {"greedy": {"kinds": ["k"] * 6, "rewards": [1.0, 1.0, 0.5, 0.5, 0.0, 0.0]}}
+    gains = {"greedy": (0.0, -0.5, 0.5)}
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": i, "reward": 0.1 * i} for i in range(1, 6)]
+    rows[1]["eval_reward"], rows[3]["eval_reward"] = 0.5, 0.75  # updates 2 and 4
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = []
+    original = Axes.plot
+    Axes.plot = lambda self, *a, **k: (drawn.append((a, k)), original(self, *a, **k))[1]
+    try:
+        plots.learning_curves(str(metrics), before, after, gains, str(tmp_path / "a.png"), during_tasks=4)
+        green = [a for a, k in drawn if "held-out" in k.get("label", "")]
+        drawn.clear()
+        plots.learning_curves(str(metrics), before, after, gains, str(tmp_path / "b.png"))
+        none = [a for a, k in drawn if "held-out" in k.get("label", "")]
+    finally:
+        Axes.plot = original
+    assert len(green) == 1
+    xs, ys = green[0][:2]
+    assert list(xs) == [0, 2, 4, 5] and list(ys) == [0.25, 0.5, 0.75, 0.75]  # the first 4 tasks' means
+    assert none == []
+
+
 def test_the_phases_are_drawn_on_the_run_metrics_clock(tmp_path, monkeypatch):
     from matplotlib.axes import Axes
 

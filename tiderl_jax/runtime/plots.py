@@ -1,8 +1,10 @@
 """The main job's plots: what a person looks at to see whether RL learned.
 
 `learning_curves` (`learning.png`): left, the train reward of every update (the batch's mean over its GRPO
-samples) with its running mean; right, held-out success before and after RL, greedy and sampled, pooled and by
-task kind, with the pooled gain's 95% paired-bootstrap interval in the title.
+samples) with its running mean, and the held-out greedy mean reward during RL (the first `eval.during_tasks`
+held-out tasks: before RL at update 0, every `eval.every` updates, after RL at the last); right, the held-out
+mean reward (success, where rewards are 0 or 1) before and after RL, greedy and sampled, pooled and by task kind,
+with the pooled gain's 95% paired-bootstrap interval in the title.
 
 `reward_curve` (`reward_curve.png`): per update, the reward mean with a band of one standard deviation over the
 batch's samples (and held-out success of the evaluations during RL, when there were any); below it the share of
@@ -33,10 +35,17 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, path: str) -> str:
+def _eval_points(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """(update, value) of the evaluations during RL logged in metrics.jsonl's rows: `key` "eval_success" (the
+    share of tasks with reward 1) or "eval_reward" (the mean reward)."""
+    return [(r["step"], r[key]) for r in rows if key in r]
+
+
+def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, path: str,
+                    during_tasks: int = 0) -> str:
     """Writes the PNG (module docstring); `before` / `after`: {"greedy"|"sampled": heldout_results},
-    `gains`: {"greedy"|"sampled": (mean, low, high)}; "sampled" is absent when `eval.sampled` is off. Returns the
-    path."""
+    `gains`: {"greedy"|"sampled": (mean, low, high)}; "sampled" is absent when `eval.sampled` is off;
+    `during_tasks`: how many held-out tasks the evaluations during RL ran (0: none ran). Returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,12 +59,20 @@ def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, 
     window = max(3, len(reward) // 5)
     running = [_mean(reward[max(0, i - window + 1):i + 1]) for i in range(len(reward))]
     left.plot(steps, running, "-", color="tab:blue", label=f"running mean ({window} updates)")
+    during = _eval_points(rows, "eval_reward")
+    if during_tasks and during:  # the same first tasks before RL, during it and after it, all greedy
+        ends = [(0, _mean(before["greedy"]["rewards"][:during_tasks]))]
+        if steps and during[-1][0] != steps[-1]:
+            ends.append((steps[-1], _mean(after["greedy"]["rewards"][:during_tasks])))
+        points = sorted(during + ends)
+        left.plot(*zip(*points), "s--", color="tab:green",
+                  label=f"held-out greedy mean reward, first {during_tasks} tasks (update 0: before RL)")
     left.set_xlabel("RL update")
     left.set_ylabel("reward")
     left.set_ylim(-0.02, 1.02)
     left.grid(alpha=0.3)
     left.legend(loc="upper left", fontsize=8)
-    left.set_title("training reward")
+    left.set_title("training reward" + (" and held-out reward during RL" if during_tasks and during else ""))
 
     kinds = sorted(set(before["greedy"]["kinds"]))
     groups = ["all"] + kinds if len(kinds) > 1 else ["all"]
@@ -73,11 +90,11 @@ def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, 
                   label=f"{name} {when}")
     right.set_xticks(range(len(groups)), groups)
     right.set_ylim(0, 1.02)
-    right.set_ylabel("held-out success")
+    right.set_ylabel("held-out mean reward (success if 0/1)")
     right.grid(axis="y", alpha=0.3)
     right.legend(fontsize=8, ncol=2)
     n = len(before["greedy"]["rewards"])
-    right.set_title(f"held-out success, {n} tasks; gain after - before [95% CI]:\n" + ", ".join(
+    right.set_title(f"held-out, {n} tasks; gain after - before [95% CI]:\n" + ", ".join(
         f"{name} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]" for name, (d, lo, hi) in gains.items()), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -104,7 +121,7 @@ def reward_curve(metrics_jsonl: str, path: str) -> str:
     top.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                      color="tab:blue", alpha=0.2, label="± one std over the batch's samples")
     top.plot(steps, mean, "o-", color="tab:blue", label="train reward (batch mean)")
-    evals = [(r["step"], r["eval_success"]) for r in rows if "eval_success" in r]
+    evals = _eval_points(rows, "eval_success")
     if evals:
         top.plot(*zip(*evals), "s--", color="tab:green", label="held-out success (evaluation during RL)")
     top.set_ylabel("reward")
