@@ -63,21 +63,46 @@ def _kernel():
 
 @pytest.mark.parametrize("seed,shape", [(0, {}), (1, dict(t=1, heads=9, kvh=3, d=64, ps=16, pages=40, width=6)),
                                         (2, dict(b=5, t=16, heads=6, kvh=1, d=16)),
-                                        (3, dict(t=1, heads=2, kvh=2, d=7, ps=3, width=9, pages=30))])
+                                        (3, dict(t=1, heads=2, kvh=2, d=7, ps=3, width=9, pages=30)),
+                                        # prefill chunks: several query tiles of 16, the last one partial, odd
+                                        # lengths and page sizes, spans crossing page boundaries mid-tile
+                                        (4, dict(b=2, t=37, heads=9, kvh=3, d=64, ps=16, pages=20, width=8)),
+                                        (5, dict(b=3, t=23, heads=4, kvh=2, d=20, ps=5, pages=40, width=11)),
+                                        (6, dict(b=1, t=64, heads=2, kvh=1, d=32, ps=16, pages=8, width=5))])
 def test_cpu_kernel_equals_reference(seed, shape):
     kernel = _kernel()
     args = _case(seed, **shape)
-    fn = kernel.paged_attention_cpu if kernel.handles(*args[:3]) else PAGED_ATTENTION["cpu"]  # t=16: the xla path
-    np.testing.assert_allclose(np.asarray(jax.jit(fn)(*args)),
+    np.testing.assert_allclose(np.asarray(jax.jit(kernel.paged_attention_cpu)(*args)),
                                np.asarray(paged_attention_reference(*args)), atol=2e-5, rtol=1e-5)
 
 
-def test_cpu_kernel_reads_only_the_rows_own_pages_up_to_each_query():
-    """Pages past a row's keys, and other rows' pages, may hold anything (NaN here): the kernel never reads them."""
+def test_cpu_kernel_prefill_over_a_shared_prefix_and_with_padding_queries():
+    """Two rows whose tables share their first pages (a prefix-cache hit) and a third starting at 0: the kernel
+    equals the reference on every real query; queries at or past a row's num_new are padding, written as zeros
+    (a row of num_new 0 is all padding)."""
     kernel = _kernel()
-    q, k_pool, v_pool, table, starts = _case(5, b=2, t=2, width=4, pages=12, ps=4)
-    starts = jnp.asarray([0, 5], jnp.int32)  # row 0 sees keys 0..1 (page 0 of its table), row 1 keys 0..6
-    used = {int(table[0, 0]), int(table[1, 0]), int(table[1, 1])}
+    q, k_pool, v_pool, table, starts = _case(8, b=4, t=21, heads=6, kvh=3, d=16, ps=4, pages=30, width=12)
+    table = table.at[1, :3].set(table[0, :3])  # rows 0 and 1: the same three first pages
+    starts = jnp.asarray([12, 12, 0, 5], jnp.int32)
+    num_new = jnp.asarray([21, 9, 14, 0], jnp.int32)
+    out = np.asarray(jax.jit(kernel.paged_attention_cpu)(q, k_pool, v_pool, table, starts, num_new))
+    ref = np.asarray(paged_attention_reference(q, k_pool, v_pool, table, starts))
+    for row, n in enumerate(np.asarray(num_new)):
+        np.testing.assert_allclose(out[row, :n], ref[row, :n], atol=2e-5, rtol=1e-5)
+        assert not out[row, n:].any()
+    # the engine's entry: the same through `PAGED_ATTENTION["cpu"]` with the call's num_new
+    via = np.asarray(PAGED_ATTENTION["cpu"](q, k_pool, v_pool, table, starts, num_new=num_new))
+    np.testing.assert_array_equal(via, out)
+
+
+@pytest.mark.parametrize("t", [2, 20])
+def test_cpu_kernel_reads_only_the_rows_own_pages_up_to_each_query(t):
+    """Pages past a row's keys, and other rows' pages, may hold anything (NaN here): the kernel never reads them,
+    for decode-sized calls and for a prefill chunk whose query tile spans several pages."""
+    kernel = _kernel()
+    q, k_pool, v_pool, table, starts = _case(5, b=2, t=t, width=8, pages=20, ps=4)
+    starts = jnp.asarray([0, 5], jnp.int32)  # row 0's last query sees keys 0..t-1, row 1's keys 0..t+4
+    used = {int(table[0, p]) for p in range((t - 1) // 4 + 1)} | {int(table[1, p]) for p in range((t + 4) // 4 + 1)}
     poison = jnp.asarray([p not in used for p in range(k_pool.shape[0])])[:, None, None, None]
     k_bad, v_bad = jnp.where(poison, jnp.nan, k_pool), jnp.where(poison, jnp.nan, v_pool)
     out = np.asarray(kernel.paged_attention_cpu(q, k_bad, v_bad, table, starts))
@@ -91,12 +116,13 @@ def test_auto_takes_the_kernel_for_float32_on_the_cpu_and_xla_elsewhere():
     assert resolve_impl("auto", dtype="float32") == "cpu"
     assert resolve_impl("auto", dtype="bfloat16") == "xla"
     assert resolve_impl("reference", dtype="float32") == "reference"
-    # a prefill chunk (more than MAX_QUERY_TOKENS queries per row) goes to the xla implementation
-    args = _case(6, t=_kernel().MAX_QUERY_TOKENS + 1, width=8)
-    np.testing.assert_allclose(np.asarray(PAGED_ATTENTION["cpu"](*args)),
-                               np.asarray(paged_attention_reference(*args)), atol=1e-5)
-    with pytest.raises(ValueError, match="at most 8 tokens per row, not 9"):  # the kernel itself refuses it
-        _kernel().paged_attention_cpu(*args)
+    # every float32 call goes to the kernel, a prefill chunk too; others to the xla implementation
+    args = _case(6, t=24, width=8)
+    assert "tiderl_paged_attention" in jax.jit(PAGED_ATTENTION["cpu"]).lower(*args).as_text()
+    half = tuple(x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in args)
+    assert "tiderl_paged_attention" not in jax.jit(PAGED_ATTENTION["cpu"]).lower(*half).as_text()
+    with pytest.raises(ValueError, match="float32 calls, not bfloat16"):  # the kernel itself refuses it
+        _kernel().paged_attention_cpu(*half)
 
 
 def test_a_failed_kernel_build_names_the_command_and_the_compilers_error(tmp_path, monkeypatch):

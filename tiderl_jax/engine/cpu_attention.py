@@ -9,9 +9,10 @@ that jaxlib ships, for this machine's CPU, into `$TIDERL_KERNEL_CACHE` (default
 `~/.cache/tiderl_jax/kernels`), keyed by the source, the flags, the compiler, the CPU and jaxlib (its
 version and its FFI headers: an upgrade builds anew); a missing compiler or a failed build leaves
 `available()` False with the reason in `unavailable_reason()`, and the engine's `auto` choice falls
-back to `xla`. Used for calls of at most `MAX_QUERY_TOKENS` tokens per row (decode and
-speculative verification); a longer chunk (prefill) goes to the `xla` implementation, whose dots do
-better on many queries. Float32 only.
+back to `xla`. It takes every call, decode, speculative verification and prefill chunks alike: a prefill chunk's
+queries go through the row's pages in tiles of 16 tokens (each page transposed once for all of a tile's queries,
+pages past a query's position never read), and a row's padding queries (at or past its `num_new`) are skipped and
+written as zeros. Float32 only.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("paged_attention.cc")
 TARGET = "tiderl_paged_attention"
-MAX_QUERY_TOKENS = 8
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-w")
 _reason: list[str] = []
@@ -109,17 +109,19 @@ def unavailable_reason() -> str | None:
 
 
 def handles(q, k_pool, v_pool) -> bool:
-    """Whether the kernel takes this call: at most MAX_QUERY_TOKENS tokens per row, float32 (the `cpu` entry of
-    `paged_attention.PAGED_ATTENTION` sends the others to the `xla` implementation)."""
-    return q.shape[1] <= MAX_QUERY_TOKENS and all(x.dtype == jnp.float32 for x in (q, k_pool, v_pool))
+    """Whether the kernel takes this call: float32 (the `cpu` entry of `paged_attention.PAGED_ATTENTION` sends
+    others to the `xla` implementation)."""
+    return all(x.dtype == jnp.float32 for x in (q, k_pool, v_pool))
 
 
-def paged_attention_cpu(q, k_pool, v_pool, page_table, starts):
-    """Same contract as `paged_attention_reference`, for the calls it `handles`."""
+def paged_attention_cpu(q, k_pool, v_pool, page_table, starts, num_new=None):
+    """Same contract as `paged_attention_reference`, for the calls it `handles`; `num_new` [b] (default: every
+    query): the row's real queries, the later ones padding, whose outputs are zeros."""
     if not handles(q, k_pool, v_pool):
-        raise ValueError(f"the CPU paged-attention kernel takes float32 calls of at most {MAX_QUERY_TOKENS} "
-                         f"tokens per row, not {q.shape[1]} of {q.dtype}")
+        raise ValueError(f"the CPU paged-attention kernel takes float32 calls, not {q.dtype}")
     if not available():
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {unavailable_reason()}")
+    if num_new is None:
+        num_new = jnp.full(q.shape[:1], q.shape[1], jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pool, v_pool, page_table.astype(np.int32), starts.astype(np.int32))
+    return call(q, k_pool, v_pool, page_table.astype(np.int32), starts.astype(np.int32), num_new.astype(np.int32))

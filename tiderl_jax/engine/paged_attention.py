@@ -10,12 +10,16 @@ Implementations (selected by name, so a kernel can be plugged in without touchin
   attention. Obviously correct; slow; used by tests.
 - `xla`: one gather of all rows' pages, one masked attention. Portable; every backend.
 - `cpu`: a C++ kernel that reads each row's pages in place (`cpu_attention.py`, `paged_attention.cc`, an
-  XLA FFI custom call built at first use) for decode and verify calls, per kv-head shard on a sharded engine;
-  prefill chunks go to `xla`.
+  XLA FFI custom call built at first use) for every call: decode, verify and prefill chunks (in query tiles,
+  pages past a query's position never read, padding queries skipped); per kv-head shard on a sharded engine.
 - `pallas_gpu`, `pallas_tpu`: JAX's own Pallas paged-attention kernels (`pallas_attention.py`) for decode and
   verify calls, over pools laid out kv-head-major; prefill chunks go to `xla` over that layout. On a sharded
   engine they run per shard of the kv-head axis.
 - any other: `register_paged_attention(name, fn, layout)` (same signature as `paged_attention_xla`).
+
+The kernels (`KERNEL_IMPLS`) also take `constrain` (the engine's mesh, to run per kv-head shard) and `num_new` [b]
+(each row's real queries in this call: the later ones are padding, whose outputs no caller reads, so a kernel
+may skip them).
 
 The pool's layout is its implementation's (`LAYOUT`): "pages" [num_pages, kv_heads, page_size, head_dim]
 (reference, xla, cpu) or "heads" [kv_heads, num_pages, page_size, head_dim] (the Pallas kernels).
@@ -90,19 +94,22 @@ def paged_attention_xla(q, k_pool, v_pool, page_table, starts, layout=PAGES):
     return attend_gathered(q, k_pool[page_table], v_pool[page_table], starts)
 
 
-def _cpu(q, k_pool, v_pool, page_table, starts, constrain=None):
-    """The C++ kernel where it `handles` the call (decode, verification), per kv-head shard on a sharded engine;
-    else `xla` (a prefill chunk)."""
+def _cpu(q, k_pool, v_pool, page_table, starts, constrain=None, num_new=None):
+    """The C++ kernel where it `handles` the call (float32: decode, verification, prefill), per kv-head shard on
+    a sharded engine; else `xla`."""
     if cpu_attention.handles(q, k_pool, v_pool):
+        if num_new is None:
+            num_new = jnp.full(q.shape[:1], q.shape[1], jnp.int32)
         return pallas_attention.per_kv_shard(cpu_attention.paged_attention_cpu, q, k_pool, v_pool, page_table,
-                                             starts, constrain, POOL_AXES[PAGES])
+                                             starts, constrain, POOL_AXES[PAGES], num_new)
     return paged_attention_xla(q, k_pool, v_pool, page_table, starts)
 
 
 def _pallas(impl: str) -> Callable:
     """JAX's kernel for decode and verify calls (at most MAX_QUERY_TOKENS per row), per kv-head shard on a sharded
     engine; else `xla` (a prefill chunk)."""
-    def fn(q, k_pool, v_pool, page_table, starts, constrain=None):
+    def fn(q, k_pool, v_pool, page_table, starts, constrain=None, num_new=None):
+        del num_new  # JAX's kernels compute every query
         if q.shape[1] <= pallas_attention.MAX_QUERY_TOKENS:
             kernel = functools.partial(pallas_attention.paged_attention_pallas, impl)
             return pallas_attention.per_kv_shard(kernel, q, k_pool, v_pool, page_table, starts, constrain, HEADS_AXES)
@@ -185,7 +192,7 @@ class PagedKV:
         layout = pool_layout(self.impl)
         k_pool = write_pages(self.k_pages[i], k, self.page_table, self.starts, self.num_new, layout)
         v_pool = write_pages(self.v_pages[i], v, self.page_table, self.starts, self.num_new, layout)
-        per_shard = {"constrain": constrain} if self.impl in KERNEL_IMPLS else {}
+        per_shard = {"constrain": constrain, "num_new": self.num_new} if self.impl in KERNEL_IMPLS else {}
         out = PAGED_ATTENTION[self.impl](q, k_pool, v_pool, self.page_table, self.starts, **per_shard)
         return out, (k_pool, v_pool)
 

@@ -106,13 +106,13 @@ def paged_attention_pallas(impl: str, q, k_pool, v_pool, page_table, starts):
     return out.reshape(b, t, h, d)
 
 
-def per_kv_shard(kernel, q, k_pool, v_pool, page_table, starts, constrain, pool_axes):
-    """`kernel` (q [b, t, h, d], pools, page_table, starts -> [b, t, h, d]: a custom call or a Pallas kernel, which
-    has no partitioning rule) on each device's kv heads under `jax.shard_map`: every device attends its own heads
-    over its own shard of the pool (`pool_axes`: the pool's logical axes, its kv-head axis named "kv_heads").
-    Without a mesh, one call."""
+def per_kv_shard(kernel, q, k_pool, v_pool, page_table, starts, constrain, pool_axes, *rows):
+    """`kernel` (q [b, t, h, d], pools, page_table, starts, *rows -> [b, t, h, d]: a custom call or a Pallas kernel,
+    which has no partitioning rule) on each device's kv heads under `jax.shard_map`: every device attends its own
+    heads over its own shard of the pool (`pool_axes`: the pool's logical axes, its kv-head axis named
+    "kv_heads"); `rows`: more per-row arrays, replicated as the page table is. Without a mesh, one call."""
     if constrain is None or constrain.mesh.size == 1:
-        return kernel(q, k_pool, v_pool, page_table, starts)
+        return kernel(q, k_pool, v_pool, page_table, starts, *rows)
     pool_spec = spec_for(k_pool.shape, pool_axes, constrain.rules, constrain.mesh)
     heads_dim = pool_axes.index("kv_heads")
     if any(axis is not None for i, axis in enumerate(pool_spec) if i != heads_dim):
@@ -120,5 +120,5 @@ def per_kv_shard(kernel, q, k_pool, v_pool, page_table, starts, constrain, pool_
     heads = pool_spec[heads_dim] if len(pool_spec) else None
     q_spec = PartitionSpec(None, None, heads, None)  # h = kv * group: a kv-head split keeps each head with its group
     return jax.shard_map(kernel, mesh=constrain.mesh,
-                         in_specs=(q_spec, pool_spec, pool_spec, PartitionSpec(), PartitionSpec()),
-                         out_specs=q_spec, check_vma=False)(q, k_pool, v_pool, page_table, starts)
+                         in_specs=(q_spec, pool_spec, pool_spec, *[PartitionSpec()] * (2 + len(rows))),
+                         out_specs=q_spec, check_vma=False)(q, k_pool, v_pool, page_table, starts, *rows)
