@@ -27,13 +27,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// exp(x) for x <= 0 (scores minus their running max), to about 2 ulp: Cody-Waite reduction x = n ln2 + r and
-// Cephes' degree-6 polynomial for exp(r), scaled by 2^n through the exponent bits. Branch-free, so the compiler
-// vectorises the loop that calls it (std::exp is a scalar library call per score, which made the exponentials
-// most of the kernel's time). Below -87.3 it returns about 1e-38 in place of a denormal or 0.
 constexpr int64_t kQueryTile = 16;  // query tokens per unit: a page's keys are read once for all of them
 constexpr int64_t kTransposeMin = 8;  // query vectors per unit from which a page is transposed (measured)
 
+// exp(x) for x <= 0 (scores minus their running max), to about 2 ulp: Cody-Waite reduction x = n ln2 + r and
+// Cephes' degree-6 polynomial for exp(r), scaled by 2^n through the exponent bits. Branch-free, so the compiler
+// vectorises the loop that calls it (std::exp is a scalar library call per score). Below -87.3 it returns about
+// 1e-38 in place of a denormal or 0.
 inline float ExpNonPositive(float x) {
   x = std::max(x, -87.3f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);

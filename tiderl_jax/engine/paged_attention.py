@@ -98,10 +98,9 @@ def _cpu(q, k_pool, v_pool, page_table, starts, constrain=None, num_new=None):
     """The C++ kernel where it `handles` the call (float32: decode, verification, prefill), per kv-head shard on
     a sharded engine; else `xla`."""
     if cpu_attention.handles(q, k_pool, v_pool):
-        if num_new is None:
-            num_new = jnp.full(q.shape[:1], q.shape[1], jnp.int32)
+        rows = () if num_new is None else (num_new,)  # none given: the kernel's default, every query real
         return pallas_attention.per_kv_shard(cpu_attention.paged_attention_cpu, q, k_pool, v_pool, page_table,
-                                             starts, constrain, POOL_AXES[PAGES], num_new)
+                                             starts, constrain, POOL_AXES[PAGES], *rows)
     return paged_attention_xla(q, k_pool, v_pool, page_table, starts)
 
 
