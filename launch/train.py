@@ -53,20 +53,50 @@ _CONFIG = config_lib.define_config_flag("configs/tiny_agentic.py")
 distributed.define_flags()
 
 
-def _fail(message: str, status: int = 2):
+def _fail(message: str, status: int = 2, saved_stderr: int | None = None):
     message = " | ".join(line.strip() for line in str(message).strip().splitlines() if line.strip())
     cluster = distributed.cluster()
     where = f"process {cluster.index}: " if cluster.multi else ""
-    print(f"error: {where}{message}", file=sys.stderr, flush=True)
     if cluster.multi:  # not JAX's exit barrier: the other processes may be gone (they are told by the heartbeat)
+        print(f"error: {where}{message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(status)
-    # the one line is the last this process writes on stderr: a library's background work failing after it (orbax's
-    # reads of a damaged checkpoint calling back into its closed event loop) prints its traceback nowhere
-    devnull = os.open(os.devnull, os.O_WRONLY)
+    # the one line is the last this process writes on stderr: fd 2 goes to /dev/null first and the line to a copy
+    # of it, so a library's background work failing meanwhile prints its traceback nowhere, not even between the two
+    if saved_stderr is None:
+        saved_stderr = _stderr_to_devnull()
+    os.write(saved_stderr, f"error: {where}{message}\n".encode())
+    os.close(saved_stderr)
+    sys.exit(status)
+
+
+def _stderr_to_devnull() -> int:
+    """Points fd 2 at /dev/null; returns a copy of where it pointed."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     os.close(devnull)
-    sys.exit(status)
+    return saved
+
+
+def _restore_quietly(controller):
+    """controller.restore() with fd 2 at /dev/null while it runs (one process): a damaged checkpoint also fails in
+    orbax's reader threads, which print tracebacks (their event loop closed under them) before and after the error
+    the restore names. A ConfigError ends the run with its one line; anything else gets stderr back first."""
+    if distributed.cluster().multi:
+        return controller.restore()
+    saved = _stderr_to_devnull()
+    try:
+        resumed = controller.restore()
+    except ConfigError as e:
+        _fail(str(e), saved_stderr=saved)
+    except BaseException:
+        os.dup2(saved, 2)
+        os.close(saved)
+        raise
+    os.dup2(saved, 2)
+    os.close(saved)
+    return resumed
 
 
 def _check_prompts(cfg, tokenizer) -> None:
@@ -364,7 +394,7 @@ def _main(cfg):
                                 trainer_config=tcfg, latency=LatencyModel(**cfg.latency.to_dict()),
                                 logdir=cfg.logdir, rules=rules, task_source=(data and data.train) or mixed,
                                 make_env=data and data.make_env)
-        resumed = controller.restore()
+        resumed = _restore_quietly(controller)
     except ConfigError as e:
         _fail(str(e))
     if cfg.get("export_every_checkpoint", False):

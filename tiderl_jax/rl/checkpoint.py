@@ -137,6 +137,7 @@ class Checkpointer:
                 out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
             except Exception as e:  # a damaged or mismatched checkpoint: name it, do not crash obscurely
                 first = (str(e).strip().splitlines() or [""])[0]  # orbax appends the whole tree dump
+                first = first.split(" See full TensorStore details")[0]  # and TensorStore its spec's repr
                 raise CheckpointError(f"cannot restore step {step} from {self.directory}: "
                                       f"{type(e).__name__}: {first}") from e
         return {name: _like(tree, out[name]) for name, tree in like.items()}, out["meta"]
