@@ -15,7 +15,7 @@ first is left out (it compiles), the others give each phase's median per step:
 
 FLOPs are analytic: matmuls 2 x (matmul parameters) per token, causal attention 4 x heads x head_dim per (query,
 key) pair per layer (the sequences' own pairs for the useful count; the packed rows' chunked-causal pairs for the
-computed one), a backward pass twice a forward. Generation counts matmuls only. `fraction_of_peak` is the useful
+computed one, at the row length the trainer chose for the batch), a backward pass twice a forward. Generation counts matmuls only. `fraction_of_peak` is the useful
 FLOP/s over the machine's matmul FLOP/s, measured in the same child after the run (float32 matmuls of 2,048^3 with
 XLA on one device and with numpy's BLAS, the faster of the two). JSON rows: config, phase, seconds,
 tokens_computed, tokens_useful, flops, fraction_of_peak (and peak_flops_per_s).
@@ -70,13 +70,6 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _pairs_computed(row_len: int, chunk: int) -> int:
-    """(query, key) pairs one packed row's chunked causal attention computes (`decoder.attend_causal`)."""
-    if row_len <= chunk:
-        return row_len * row_len
-    return sum(min(chunk, row_len - s) * min(s + chunk, row_len) for s in range(0, row_len, chunk))
-
-
 def child(name: str, steps: int, out_path: str, sets: list[str]) -> None:
     setup()
     import logging as pylogging
@@ -85,7 +78,6 @@ def child(name: str, steps: int, out_path: str, sets: list[str]) -> None:
 
     from tiderl_jax import config as config_lib
     from tiderl_jax.agents.env import LatencyModel
-    from tiderl_jax.model.decoder import CAUSAL_CHUNK
     from tiderl_jax.runtime.controller import Controller
 
     logging.set_verbosity(logging.INFO)
@@ -125,18 +117,13 @@ def child(name: str, steps: int, out_path: str, sets: list[str]) -> None:
     asyncio.run(controller.run(on_step=mark))
     rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
     peak = matmul_peak()
-    mc = model.cfg
-    h, d, layers = mc.num_heads, mc.head_dim, mc.num_layers
-    matmul_params = layers * (mc.hidden_size * h * d + 2 * mc.hidden_size * mc.num_kv_heads * d + h * d * mc.hidden_size
-                              + 3 * mc.hidden_size * mc.intermediate_size) + mc.vocab_size * mc.hidden_size
-    per_pair = 4 * h * d * layers
-    pairs_row = _pairs_computed(tcfg.row_len, CAUSAL_CHUNK)
+    matmul_params, per_pair = model.cfg.matmul_params, model.cfg.attention_flops_per_pair
     per_step = []
     for r, before, after in zip(rows, marks, marks[1:]):
         if r["step"] == 1:
             continue  # its programs compile
         computed = r.get("tokens_computed", 0.0)
-        fwd_computed = 2 * matmul_params * computed + per_pair * pairs_row * computed / tcfg.row_len
+        fwd_computed = 2 * matmul_params * computed + per_pair * r.get("attention_pairs_computed", 0.0)
         fwd_useful = 2 * matmul_params * r.get("tokens_real", 0.0) + per_pair * r.get("attention_pairs", 0.0)
         gen_useful = (after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
                       + after["decode_tokens"] - before["decode_tokens"])

@@ -1,5 +1,6 @@
 """The decoder's two forward modes agree with each other, and packing, ragged batches and sampling work."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -171,3 +172,33 @@ def test_chunked_causal_attention_equals_the_reference_forward_and_gradients():
     want = jax.grad(lambda *x: loss(attend, *x), argnums=(0, 1, 2))(q, k, v)
     for a, w in zip(got, want):
         np.testing.assert_allclose(a, w, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("out_in", [False, True])
+@pytest.mark.parametrize("widths", [(8, 24), (24, 8)])
+def test_project_is_the_matmul_and_its_gradient_jaxs(widths, out_in, dtype):
+    """`project` (the projections' and LM head's matmul with its own backward) against the plain matmul under JAX's
+    autodiff: values and both gradients, whichever of x and the output is the narrower (the one it transposes), a
+    weight stored [in, out] or [out, in] (tied), float32 and bfloat16 operands with float32 accumulation."""
+    from tiderl_jax.model.decoder import einsum_f32, project
+    e, f = widths
+    dt = jnp.dtype(dtype)
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(kx, (2, 5, e)).astype(dt)
+    w = jax.random.normal(kw, (f, e) if out_in else (e, f)).astype(dt)
+    probe = jax.random.normal(kg, (2, 5, f))  # a cotangent that weighs every output differently
+
+    def reference(x, w):
+        return (einsum_f32("bte,fe->btf" if out_in else "bte,ef->btf", x, w) * probe).sum()
+
+    def fast(x, w):
+        return (project(x, w, out_in=out_in, f32=True) * probe).sum()
+
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=5e-2)
+    np.testing.assert_allclose(jax.jit(fast)(x, w), reference(x, w), **tol)
+    for a, b in zip(jax.jit(jax.grad(fast, (0, 1)))(x, w), jax.grad(reference, (0, 1))(x, w)):
+        assert a.dtype == b.dtype == dt
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+    plain = project(x, w, out_in=out_in)  # without f32: x's dtype, as `x @ w`
+    assert plain.dtype == dt and plain.shape == (2, 5, f)

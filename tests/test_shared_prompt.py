@@ -101,8 +101,10 @@ def test_exact_mode_equals_the_packed_step_and_approximate_differs():
             assert metrics["approximate"][k] == pytest.approx(metrics["off"][k], rel=1e-4, abs=1e-6), k
     assert metrics["approximate"]["grad_norm"] != pytest.approx(metrics["off"]["grad_norm"], rel=1e-3)
     base = _params(trainers["off"])
-    for a, b in zip(_params(trainers["exact"]), base):  # Adam's first step ~ lr * sign(g): 0.2% of lr
-        np.testing.assert_allclose(a, b, atol=2e-5)
+    # Adam's first step ~ lr * sign(g): float noise on a near-zero gradient shows as 0.3% of lr (the packed rows
+    # and the shared classes sum in different orders)
+    for a, b in zip(_params(trainers["exact"]), base):
+        np.testing.assert_allclose(a, b, atol=3e-5)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(_params(trainers["approximate"]), base))
     assert diff > 1e-4  # the prompt's share of the gradient is missing
 

@@ -405,16 +405,39 @@ def test_an_on_policy_batch_skips_the_proximal_pass_and_updates_as_with_it():
 def test_rows_sized_to_the_batch_give_the_update_of_full_rows(aggregation):
     from tiderl_jax.rl.trainer import row_layout
     cfg = _config(row_len=64, micro_rows=2, loss=LossConfig(kl_coef=0.1, aggregation=aggregation))
-    assert row_layout(cfg, [len(t.tokens) for t in TRAJS]) == (16, 8)  # the longest (15) fits 16: 8 x 16 per micro
+    lengths = [len(t.tokens) for t in TRAJS]  # 73 tokens, the longest 15
+    # first fit: 6 rows of 16 (a micro-batch of 6 rows, not 8), 3 of 32, 2 of 48 or one of 96 tokens compute 96
+    # token slots each, 2 of 64 compute 128: the shortest of the cheapest, the least attention
+    assert row_layout(cfg, lengths) == row_layout(cfg, lengths, pair_cost=0.05) == (16, 6)
+    assert row_layout(cfg, lengths[:2]) == (16, 2)
     assert row_layout(cfg, [64, 3]) == (64, 2) and row_layout(dataclasses.replace(cfg, row_buckets=False), [9]) == (64, 2)
     ref = nnx.split(init_decoder(CFG, seed=15))[1]
     sized = Trainer(init_decoder(CFG, seed=14), cfg, ref_params=ref)
     full = Trainer(init_decoder(CFG, seed=14), dataclasses.replace(cfg, row_buckets=False), ref_params=ref)
     a, b = sized.rl_step(TRAJS), full.rl_step(TRAJS)
-    assert a["tokens_computed"] == 1 * 8 * 16 and b["tokens_computed"] == 1 * 2 * 64
+    assert a["tokens_computed"] == 1 * 6 * 16 and b["tokens_computed"] == 1 * 2 * 64
+    assert a["row_len"] == 16 and a["attention_pairs_computed"] == 6 * 16 * 16
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["tokens_real"] == b["tokens_real"]
     for x, y in zip(_params(sized), _params(full)):  # (Adam's first step divides by |g|: float noise shows)
         np.testing.assert_allclose(x, y, atol=2e-5)
+
+
+def test_rows_are_chosen_by_the_packed_cost_of_the_batch():
+    """Lengths of up to 300 in rows of up to 1,024: rows of 512 hold two trajectories each (4 rows, 2,048 tokens)
+    where 384 holds one or two (6 rows, 2,304), and no row goes past 512, the power of two above the longest; dear
+    enough attention turns the choice to 384."""
+    from tiderl_jax.rl.trainer import packing_pair_cost, row_layout
+    cfg = _config(row_len=1024, micro_rows=1)
+    lengths = [300, 200, 180, 300, 150, 290, 210, 100]
+    smollm2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                          num_heads=9, num_kv_heads=3, head_dim=64)
+    assert packing_pair_cost(smollm2) == pytest.approx(2.57e-4, rel=0.01)
+    assert row_layout(cfg, lengths) == row_layout(cfg, lengths, packing_pair_cost(smollm2)) == (512, 2)
+    assert row_layout(cfg, lengths, 0.02) == (384, 2)  # 6 rows of 384 attend over fewer pairs than 4 of 512
+    assert row_layout(cfg, [300] * 8) == (384, 2)  # one per 1.5x bucket: no padding, no cross pairs
+    assert row_layout(cfg, [500, 100]) == (512, 2)  # two rows of 512, not one of 768 or 1,024
+    assert row_layout(cfg, [20] * 4) == (32, 4)  # rows a multiple of 16 tokens (not 24)
+    assert row_layout(dataclasses.replace(cfg, attention_impl="pallas_tpu"), [20] * 4) == (128, 1)  # splash's block
 
 
 def _residual_bytes(model, tokens) -> int:

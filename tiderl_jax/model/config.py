@@ -150,6 +150,18 @@ class ModelConfig:
         vision = (self.image_patch_dim + 1 + self.max_image_patches) * e if self.is_vision else 0
         return v * e + self.num_layers * layer + e + head + vision
 
+    @property
+    def matmul_params(self) -> int:
+        """Weights a token multiplies through (the layers' projections and the LM head; not the embedding gather):
+        a forward pass costs `2 * matmul_params` FLOPs per token, plus attention."""
+        e, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.num_layers * (e * q + 2 * e * kv + q * e + 3 * e * self.intermediate_size) + self.vocab_size * e
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """A forward pass's attention FLOPs per (query, key) pair, every layer: scores and values, 2 x 2 x q width."""
+        return 4 * self.num_heads * self.head_dim * self.num_layers
+
     # ---------------------------------------------------------------- construction
 
     @classmethod

@@ -50,14 +50,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tiderl_jax import interrupts
 from tiderl_jax.trajectory import Trajectory
-from tiderl_jax.engine.buckets import bucket, pow2_buckets
+from tiderl_jax.engine.buckets import half_pow2_buckets
 from tiderl_jax.model.config import ConfigError, ModelConfig
-from tiderl_jax.model.decoder import Decoder, add_adapters, init_decoder, split_adapters
+from tiderl_jax.model.decoder import (TRAIN_KERNELS, Decoder, add_adapters, causal_pairs_computed, init_decoder,
+                                      split_adapters)
 from tiderl_jax.model.sharding import (DEFAULT_RULES, ActivationSharding, Rules, from_host, host_value, place_copy,
                                        put, shard_model, spec_for, state_shardings)
 from tiderl_jax.rl import losses, shared_prompt
 from tiderl_jax.rl.advantages import gae_advantages, group_advantages
-from tiderl_jax.rl.batch import PackedBatch, pack
+from tiderl_jax.rl.batch import PackedBatch, first_fit_rows, num_micro_batches, pack
 from tiderl_jax.rl.trainer_config import TrainerConfig, lr_schedule, make_optimizer, train_attention
 
 log = logging.getLogger(__name__)
@@ -180,15 +181,43 @@ def _fixed_norm(cfg: TrainerConfig) -> TrainerConfig:
     return cfg
 
 
-def row_layout(cfg: TrainerConfig, lengths: Sequence[int]) -> tuple[int, int]:
-    """(row length, rows per micro-batch) of a batch of trajectories of `lengths` tokens (`row_buckets`)."""
+def row_layout(cfg: TrainerConfig, lengths: Sequence[int], pair_cost: float = 0.0) -> tuple[int, int]:
+    """(row length, rows per micro-batch) of a batch of trajectories of `lengths` tokens.
+
+    With `row_buckets`, rows are sized to the batch: of the buckets that hold its longest trajectory (powers of two
+    from 16 and 1.5x between, up to `row_len` and the power of two above the longest; a multiple of the train
+    attention kernel's block), the one whose
+    first-fit packing computes the least, micro-batches holding `micro_rows x row_len` tokens (fewer rows, in the
+    micro-batch counts' steps, when the whole batch takes fewer). A row's cost is
+    `row + pair_cost x (the (query, key) pairs its causal attention computes)`; `pair_cost` is the model's
+    attention FLOPs per pair over its matmul FLOPs per token (`packing_pair_cost`), so a longer row that packs
+    trajectories together is weighed against its attention. Equal costs take the shorter row."""
     if not cfg.row_buckets or not lengths:
         return cfg.row_len, cfg.micro_rows
     longest = max(lengths)
     if longest >= cfg.row_len:
         return cfg.row_len, cfg.micro_rows
-    row = bucket(longest, pow2_buckets(min(16, cfg.row_len), cfg.row_len))
-    return row, max(1, cfg.micro_rows * cfg.row_len // row)
+    multiple = TRAIN_KERNELS.get(train_attention(cfg), (None, 16))[1]
+    # not past the power of two that holds the longest: a longer row packs more trajectories together, but on
+    # this CPU its attention cost more than the padding it saved (SmolLM2: 8 rows of 512 tokens 14.7 s, 4 of 768
+    # holding the same trajectories 16.3 s)
+    top = max(1 << max(0, (longest - 1).bit_length()), -(-longest // multiple) * multiple)
+    rows = [b for b in half_pow2_buckets(min(16, cfg.row_len), cfg.row_len)
+            if longest <= b <= top and (b % multiple == 0 or b == cfg.row_len)] or [cfg.row_len]
+    best = None
+    for row in rows:
+        count, micro_rows = len(first_fit_rows(lengths, row)), max(1, cfg.micro_rows * cfg.row_len // row)
+        micro_rows = min(micro_rows, num_micro_batches(count, 1))  # a batch smaller than one micro-batch: its rows
+        micro = num_micro_batches(count, micro_rows)
+        cost = micro * micro_rows * (row + pair_cost * causal_pairs_computed(row))
+        if best is None or cost < best[0]:
+            best = (cost, row, micro_rows)
+    return best[1], best[2]
+
+
+def packing_pair_cost(model_cfg: ModelConfig) -> float:
+    """`row_layout`'s weight of one attention (query, key) pair against one token's matmuls (FLOPs over FLOPs)."""
+    return model_cfg.attention_flops_per_pair / (2 * model_cfg.matmul_params)
 
 
 def _shared_loss(cfg: TrainerConfig) -> shared_prompt.ResponseLoss:
@@ -326,6 +355,7 @@ class Trainer:
         # Our own copy: the train step donates its parameters, which must not be the caller's.
         self.params = place_copy(params, jax.tree.map(lambda x: x.sharding, params))
         self.patch_dim = model.cfg.image_patch_dim  # packs trajectories with images (0: text-only)
+        self.pair_cost = packing_pair_cost(model.cfg)  # row_layout's weight of attention
         # The reference model: a second parameter set of the same family; with a KL term and none
         # given, a frozen copy of the starting policy (the usual choice). Scored only when the loss reads it.
         if ref_params is None and config.loss.uses_reference:
@@ -577,7 +607,7 @@ class Trainer:
                                                max_response=cfg.row_len)
             shared = shared if shared.groups else None
         sub = [trajectories[i] for i in rest]
-        row_len, micro_rows = row_layout(cfg, [len(t.tokens) for t in sub])
+        row_len, micro_rows = row_layout(cfg, [len(t.tokens) for t in sub], self.pair_cost)
         packed = pack(sub, row_len=row_len, micro_rows=micro_rows, patch_dim=self.patch_dim)
         for i, reason in packed.dropped:
             log.warning("trajectory %s left out of the step: %s", sub[i].task_id, reason)
@@ -671,7 +701,10 @@ class Trainer:
                        # attention pairs the sequences need (benchmarks/rl_step.py's FLOPs)
                        tokens_computed=float(packed.arrays["mask"].size if packed.kept else 0),
                        tokens_real=float(sum(len(t.tokens) for t in kept)),
-                       attention_pairs=float(sum(len(t.tokens) * (len(t.tokens) + 1) // 2 for t in kept)))
+                       attention_pairs=float(sum(len(t.tokens) * (len(t.tokens) + 1) // 2 for t in kept)),
+                       attention_pairs_computed=float(packed.arrays["mask"].shape[0] * packed.arrays["mask"].shape[1]
+                                                      * causal_pairs_computed(row_len) if packed.kept else 0),
+                       row_len=float(row_len if packed.kept else 0))
         self.policy_version = None if self.policy_version is None else self.policy_version + 1
         return metrics
 
@@ -696,6 +729,7 @@ class Scorer:
         self.mesh, self.rules = mesh, rules
         self.graphdef, self.params = nnx.split(model)
         self.patch_dim = model.cfg.image_patch_dim
+        self.pair_cost = packing_pair_cost(model.cfg)
         self._programs: dict = {}
         self.compile_s = 0.0
         self.program_memory, self._dry_run = None, False  # as Trainer's
@@ -717,7 +751,7 @@ class Scorer:
     def score_trajectories(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray | None]:
         """Each trajectory's per-token log-probs (None for one the trainer would leave out)."""
         cfg = self.config
-        row_len, micro_rows = row_layout(cfg, [len(t.tokens) for t in trajectories])
+        row_len, micro_rows = row_layout(cfg, [len(t.tokens) for t in trajectories], self.pair_cost)
         packed = pack(trajectories, row_len=row_len, micro_rows=micro_rows, patch_dim=self.patch_dim)
         if not packed.kept:
             return [None] * len(trajectories)
@@ -733,8 +767,8 @@ def _warmup_trajectories(micro: int, config: TrainerConfig, row_len: int | None 
     """Stand-in trajectories that pack into exactly `micro` micro-batches of rows of `row_len` tokens (default: the
     config's; one full row each, two groups): what `Trainer.warmup` runs the step's programs on."""
     row_len = row_len or config.row_len
-    _, micro_rows = row_layout(config, [row_len])
-    rows = (micro - 1) * micro_rows + 1  # the fewest rows that need `micro` micro-batches
+    micro_rows = max(1, config.micro_rows * config.row_len // row_len)  # a full micro-batch's (row_layout)
+    rows = max(micro_rows, (micro - 1) * micro_rows + 1)  # the fewest rows that need `micro` full micro-batches
     out = []
     for i in range(rows):
         t = Trajectory(task_id=f"warmup-{i}", kind="warmup", group=i % 2, reward=float(i % 2))

@@ -34,8 +34,9 @@ class TrainerConfig:
     grad_clip: float = 1.0  # global norm
     row_len: int = 1024  # the longest trajectory trained on: the longest packed row
     micro_rows: int = 8  # rows of `row_len` per micro-batch (gradient accumulation over micro-batches)
-    # rows sized to the batch: the smallest power of two from 16 (or row_len) that holds the batch's longest
-    # trajectory, micro-batches of the same tokens (micro_rows x row_len); False: always rows of row_len
+    # rows sized to the batch (`trainer.row_layout`): of the buckets (16, 32, 48, 64, 96, ... up to row_len) that
+    # hold the batch's longest trajectory, the one whose first-fit packing computes the least (padding and
+    # attention pairs), micro-batches of the same tokens (micro_rows x row_len); False: always rows of row_len
     row_buckets: bool = True
     temperature: float = 1.0  # the rollout temperature (log-probs of the sampling distribution)
     decoupled: bool = True  # decoupled PPO: weight tokens by pi_prox / pi_behav (truncated)
