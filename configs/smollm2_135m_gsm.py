@@ -10,7 +10,7 @@ real data, from PyPI packages alone (no model hub).
   by the math reward (`reward_fn="auto"` picks both by data source; docs/data.md).
 - Sizes for the CPU (`benchmarks/real_model.py` runs it): sync GRPO on one CPU device (set XLA_FLAGS'
   device count to 1 or leave it unset), short answers, small micro-batches: the train step keeps every layer's
-  attention probabilities for the backward pass (no rematerialization yet), which at 4 rows of 1,024 tokens
+  attention probabilities for the backward pass (this preset sets no `trainer.remat`), which at 4 rows of 1,024 tokens
   took the process past 24 GiB. On a GPU host raise the
   batch (`controller.groups_per_step`, `group_size`) and set `--config.model.dtype=bfloat16`.
 
