@@ -450,7 +450,9 @@ def _main(cfg):
         if where == "RL":
             _count_lost(controller, state)
         if cluster.multi:  # a save is collective: the processes were interrupted wherever each was
-            latest = controller.checkpointer.latest_step() if controller.checkpointer is not None else None
+            # the save on disk once one in flight has finished (the other processes are still running, so a
+            # collective save completes): the exit below would otherwise cut it at an unknown point
+            latest = controller.checkpointer.settled_step() if controller.checkpointer is not None else None
             print(f"\ninterrupted by {by} in {where} at RL step {controller.step}/{ccfg.steps}: across processes "
                   f"nothing new is saved; the last checkpoint (step {latest}) in {cfg.logdir} resumes with the same "
                   f"command on every process", flush=True)

@@ -123,3 +123,20 @@ def test_missing_or_mismatched_checkpoints_are_named_errors(tmp_path):
     assert meta["step"] == 1
     ckpt.close()
     gc.collect()  # anything left behind is reported here, as an error
+
+
+def test_latest_saved_step_is_the_newest_finished_save_never_one_in_flight(tmp_path):
+    """What an interrupted multi-process run names as the checkpoint to resume from: the newest step directory
+    orbax has finalised (renamed to its number), not a save still in flight (its temporary directory)."""
+    from tiderl_jax.rl.checkpoint import Checkpointer
+    ck = Checkpointer(tmp_path / "ck")
+    assert ck.latest_saved_step() is None
+    (tmp_path / "ck" / "2").mkdir()
+    (tmp_path / "ck" / "3.orbax-checkpoint-tmp-1765000000").mkdir()
+    assert ck.latest_saved_step() == 2
+    (tmp_path / "ck" / "10").mkdir()
+    assert ck.latest_saved_step() == 10
+    # a save just started (asynchronous): settled_step waits for it and names it
+    ck.save(11, {"params": {"w": jax.numpy.ones((4, 4))}}, {"step": 11})
+    assert ck.settled_step() == 11 and (tmp_path / "ck" / "11").is_dir()
+    ck.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from typing import Any, Mapping
 
 import jax
@@ -104,6 +105,13 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def latest_saved_step(self) -> int | None:
+        """The newest step whose save has finished on disk (orbax renames a step's directory to its number when
+        it finalises it): unlike `latest_step`, never a save still in flight, which a process that exits now
+        abandons."""
+        steps = [int(n) for n in os.listdir(self.directory) if n.isdigit()] if os.path.isdir(self.directory) else []
+        return max(steps, default=None)
+
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
@@ -145,6 +153,15 @@ class Checkpointer:
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
         self.manager.wait_until_finished()
+
+    def settled_step(self, timeout_s: float = 30.0) -> int | None:
+        """`latest_saved_step` once a save in flight has finished, waiting up to `timeout_s` for it (a process
+        about to exit: what it names as the checkpoint to resume from is then what is on disk; a save still
+        unfinished after the timeout is left to whatever happens to it, and the older step named)."""
+        waiter = threading.Thread(target=self.manager.wait_until_finished, daemon=True)
+        waiter.start()
+        waiter.join(timeout_s)
+        return self.latest_saved_step()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
