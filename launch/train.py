@@ -91,12 +91,16 @@ def _restore_quietly(controller):
     except ConfigError as e:
         _fail(str(e), saved_stderr=saved)
     except BaseException:
-        os.dup2(saved, 2)
-        os.close(saved)
+        _stderr_back(saved)
         raise
+    _stderr_back(saved)
+    return resumed
+
+
+def _stderr_back(saved: int) -> None:
+    """Points fd 2 where `_stderr_to_devnull` found it."""
     os.dup2(saved, 2)
     os.close(saved)
-    return resumed
 
 
 def _check_prompts(cfg, tokenizer) -> None:

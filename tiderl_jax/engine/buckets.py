@@ -8,6 +8,11 @@ def bucket(n: int, buckets) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
     """lo, lo * factor, lo * factor**2, ... below hi, then hi (factor 2: powers of two)."""
     out, b = [], lo

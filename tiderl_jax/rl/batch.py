@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from tiderl_jax.trajectory import Trajectory
+from tiderl_jax.engine.buckets import next_pow2
 from tiderl_jax.model import vision
 
 
@@ -64,10 +65,6 @@ class PackedBatch:
         self.arrays[name] = out
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def first_fit_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
     """Positions into `lengths` per row: first-fit decreasing into rows of `row_len` tokens (longest
     first, equal lengths in their order). Every length must fit a row."""
@@ -90,7 +87,7 @@ def num_micro_batches(num_rows: int, micro_rows: int, min_micro: int = 1) -> int
     """Micro-batches of `micro_rows` rows that hold `num_rows` rows, rounded up to a power of two or 1.5 times
     one (1, 2, 3, 4, 6, 8, 12, ...; one compiled train program per count)."""
     n = max(min_micro, -(-num_rows // micro_rows))
-    p = _pow2(n)
+    p = next_pow2(n)
     return p * 3 // 4 if p >= 4 and n <= p * 3 // 4 else p
 
 

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tiderl_jax.trajectory import Trajectory
+from tiderl_jax.engine.buckets import next_pow2
 from tiderl_jax.rl import losses
 from tiderl_jax.rl.longstraw import group_gradient, group_logprobs
 
@@ -46,18 +47,14 @@ MODES = ("off", "exact", "approximate")
 PER_TOKEN = ("responses", "mask", "behaviour_logp", "advantages")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def prompt_bucket(n: int) -> int:
     """The padded prompt length: n rounded up to a multiple of max(16, next_pow2(n) / 4)."""
-    step = max(16, _pow2(n) // 4)
+    step = max(16, next_pow2(n) // 4)
     return -(-n // step) * step
 
 
 def response_bucket(n: int) -> int:
-    return max(8, _pow2(n))
+    return max(8, next_pow2(n))
 
 
 def shared_prefix(trajectories: Sequence[Trajectory]) -> int:

@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tiderl_jax import interrupts
 from tiderl_jax.trajectory import Trajectory
-from tiderl_jax.engine.buckets import half_pow2_buckets
+from tiderl_jax.engine.buckets import half_pow2_buckets, next_pow2
 from tiderl_jax.model.config import ConfigError, ModelConfig
 from tiderl_jax.model.decoder import (TRAIN_KERNELS, Decoder, add_adapters, causal_pairs_computed, init_decoder,
                                       split_adapters)
@@ -201,7 +201,7 @@ def row_layout(cfg: TrainerConfig, lengths: Sequence[int], pair_cost: float = 0.
     # not past the power of two that holds the longest: a longer row packs more trajectories together, but on
     # this CPU its attention cost more than the padding it saved (SmolLM2: 8 rows of 512 tokens 14.7 s, 4 of 768
     # holding the same trajectories 16.3 s)
-    top = max(1 << max(0, (longest - 1).bit_length()), -(-longest // multiple) * multiple)
+    top = max(next_pow2(longest), -(-longest // multiple) * multiple)
     rows = [b for b in half_pow2_buckets(min(16, cfg.row_len), cfg.row_len)
             if longest <= b <= top and (b % multiple == 0 or b == cfg.row_len)] or [cfg.row_len]
     best = None
