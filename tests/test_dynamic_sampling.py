@@ -52,6 +52,11 @@ def test_every_update_trains_only_informative_groups_and_the_ledger_names_the_dr
     shares = [r["zero_variance_dropped"] for r in rows]  # the health metrics show the share dropped
     assert len(shares) == 4 and all(0.0 <= x <= 1.0 for x in shares) and max(shares) > 0
     assert all(r["zero_variance_groups"] == 0.0 for r in rows)  # and what was trained had none
+    # the trained groups' reward is 1 of 4 samples; every sample drawn counts the dropped all-0 groups too
+    for r in rows:
+        assert r["reward"] == 0.25
+        assert r["sampled_reward"] == pytest.approx(0.25 * (1 - r["zero_variance_dropped"]))
+    assert c.metrics.rewards == [r["sampled_reward"] for r in rows]  # the summary's train-reward quarters
 
 
 @pytest.mark.parametrize("mode", ["sync", "tiderl"])

@@ -135,7 +135,8 @@ def summary_rows(*, mode: str, rl: dict, batch_samples: int, before: dict, after
             ("updates", f"{len(rl.get('rewards') or [])} x {batch_samples} samples in this invocation; the run is "
                         f"at step {rl.get('step', rl['steps'])}"),
             ("train reward", f"first quarter of the updates {sum(rewards[:k]) / k:.3f}, last quarter "
-                             f"{sum(rewards[-k:]) / k:.3f}")]
+                             f"{sum(rewards[-k:]) / k:.3f} (every sample drawn, dynamic sampling's dropped groups "
+                             "included)")]
     for name in before:
         d, lo, hi = gains[name]
         b, a = before[name], after[name]

@@ -384,8 +384,11 @@ class Controller(Boundaries, Borrowing, Multihost):
         stops with the reason (tasks all too hard or all too easy for this policy) instead of sampling forever."""
         if not self.cfg.filter_groups or not group.trajectories:
             return
+        rewards = [t.reward for t in group.trajectories]
         self._filtered["complete"] += 1
-        if dynamic_sampling.informative([t.reward for t in group.trajectories]):
+        self._filtered["samples"] += len(rewards)
+        self._filtered["reward_sum"] += sum(rewards)
+        if dynamic_sampling.informative(rewards):
             self._uninformative_in_row = 0
             return
         self._filtered["dropped"] += 1
@@ -610,10 +613,13 @@ class Controller(Boundaries, Borrowing, Multihost):
                 self._wake.set()
                 lags = health.version_lags(trajs, self.version - 1)
                 stats = self.health.update(self.step, trajs, out, lags)  # warns when the run is not learning
-                if self.cfg.filter_groups:  # the share of the groups completed since the last step that were dropped
+                if self.cfg.filter_groups:  # the share of the groups completed since the last step that were dropped,
+                    # and the mean reward of every sample in them (`reward` is the trained, informative groups' alone)
                     stats["zero_variance_dropped"] = self._filtered["dropped"] / max(self._filtered["complete"], 1)
+                    if self._filtered["samples"]:
+                        stats["sampled_reward"] = self._filtered["reward_sum"] / self._filtered["samples"]
                     self._filtered.clear()
-                self.metrics.consume(int(out.get("tokens", 0)), len(trajs), lags, stats["reward"])
+                self.metrics.consume(int(out.get("tokens", 0)), len(trajs), lags, stats.get("sampled_reward", stats["reward"]))
                 evals = await self.metrics.run_hook(on_step, self.step)  # e.g. a held-out evaluation, whose
                 last += self.metrics.phases[-1][2] - self.metrics.phases[-1][1] if evals else 0.0  # time ERS ignores
                 self.metrics.log_step(self.step, dict(

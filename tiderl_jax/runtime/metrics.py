@@ -43,7 +43,7 @@ _COLORS = {"generate": "tab:blue", "score": "tab:orange", "train": "tab:green", 
            "move": "tab:purple", "sft": "tab:olive", "eval": "tab:gray"}
 # TensorBoard groups of the per-update keys (metrics.jsonl keeps them flat); `eval_*` and `sft_*` go to eval/, sft/
 TAG_GROUPS = {
-    "train": ("reward", "reward_std", "zero_variance_groups", "zero_variance_dropped", "loss", "policy_loss", "kl",
+    "train": ("reward", "reward_std", "sampled_reward", "zero_variance_groups", "zero_variance_dropped", "loss", "policy_loss", "kl",
               "entropy", "value_loss", "nll", "grad_norm", "skipped", "lr", "clip_fraction", "dual_clip_fraction",
               "approx_kl", "ratio", "importance_weight", "truncated_fraction", "tokens", "sequences", "dropped",
               "shared_groups", "version", "proximal_recomputed", "proximal_in_step", "on_policy", "behaviour_logp_diff_mean",

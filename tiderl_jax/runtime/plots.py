@@ -1,10 +1,11 @@
 """The main job's plots: what a person looks at to see whether RL learned.
 
-`learning_curves` (`learning.png`): left, the train reward of every update (the batch's mean over its GRPO
-samples) with its running mean, and the held-out greedy mean reward during RL (the first `eval.during_tasks`
-held-out tasks: before RL at update 0, every `eval.every` updates, after RL at the last); right, the held-out
-mean reward (success, where rewards are 0 or 1) before and after RL, greedy and sampled, pooled and by task kind,
-with the pooled gain's 95% paired-bootstrap interval in the title.
+`learning_curves` (`learning.png`): left, the train reward of every update (the mean over every sample drawn
+for it, the groups dynamic sampling dropped included; without the filter, the batch's GRPO samples) with its
+running mean, and the held-out greedy mean reward during RL (the first `eval.during_tasks` held-out tasks:
+before RL at update 0, every `eval.every` updates, after RL at the last); right, the held-out mean reward
+(success, where rewards are 0 or 1) before and after RL, greedy and sampled, pooled and by task kind, with the pooled
+gain's 95% paired-bootstrap interval in the title.
 
 `reward_curve` (`reward_curve.png`): per update, the reward mean with a band of one standard deviation over the
 batch's samples (and held-out success of the evaluations during RL, when there were any); below it the share of
@@ -54,8 +55,9 @@ def learning_curves(metrics_jsonl: str, before: dict, after: dict, gains: dict, 
     rows = _steps(metrics_jsonl)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     steps = [r["step"] for r in rows]
-    reward = [r.get("reward", float("nan")) for r in rows]
-    left.plot(steps, reward, "o", color="tab:blue", alpha=0.35, label="train reward (per update)")
+    # every sample drawn for the update (dynamic sampling's dropped groups included: `sampled_reward`), else the batch's
+    reward = [r.get("sampled_reward", r.get("reward", float("nan"))) for r in rows]
+    left.plot(steps, reward, "o", color="tab:blue", alpha=0.35, label="train reward (per update, every sample drawn)")
     window = max(3, len(reward) // 5)
     running = [_mean(reward[max(0, i - window + 1):i + 1]) for i in range(len(reward))]
     left.plot(steps, running, "-", color="tab:blue", label=f"running mean ({window} updates)")
