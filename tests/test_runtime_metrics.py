@@ -57,3 +57,28 @@ def test_shared_lanes_count_each_device_once(tmp_path):
     with pytest.raises(ValueError, match="same device count"):
         RunMetrics(str(tmp_path / "x"), total_steps=1, devices={"rollout": 8, "train": 4},
                    shared=("rollout", "train"))
+
+
+def test_the_timeline_draws_each_lane_and_kind_as_one_collection(tmp_path, monkeypatch):
+    """A sync run records thousands of spans; drawn one collection each, its timeline took 100 s."""
+    import matplotlib.axes
+
+    m = RunMetrics(str(tmp_path), total_steps=1, devices={"rollout": 2, "train": 2})
+    m.spans += [("rollout", "generate", i, i + 0.5) for i in range(1000)]
+    m.spans += [("train", "train", i + 0.5, i + 0.75) for i in range(1000)]
+    m.spans += [("train", "sync", i + 0.75, i + 0.75) for i in range(1000)]  # zero-length: drawn 1e-3 wide
+    calls = []
+    draw = matplotlib.axes.Axes.broken_barh
+    def counted(ax, ranges, yrange, **kw):
+        calls.append((list(ranges), yrange))
+        return draw(ax, ranges, yrange, **kw)
+    monkeypatch.setattr(matplotlib.axes.Axes, "broken_barh", counted)
+    m.plot_timeline(str(tmp_path / "timeline.png"))
+    m.close()
+    assert len(calls) == 3  # rollout/generate, train/train, train/sync
+    by_row = {(yrange[0], len(ranges)): ranges for ranges, yrange in calls}
+    rows = sorted(y for y, _ in by_row)
+    generate = by_row[rows[0], 1000]  # the rollout lane (row 0), every span in place
+    assert generate[:2] == [(0, 0.5), (1, 0.5)] and generate[-1] == (999, 0.5)
+    assert sorted(len(r) for r, _ in calls) == [1000, 1000, 1000]
+    assert min(w for r, _ in calls for _, w in r) == pytest.approx(1e-3)

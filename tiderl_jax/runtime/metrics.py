@@ -255,11 +255,12 @@ class RunMetrics:
         lanes = [lane for lane in LANES if any(s[0] == lane for s in self.spans)]
         rows = lanes + (["phases"] if marks else [])
         fig, ax = plt.subplots(figsize=(12, 1.3 + 0.6 * max(1, len(rows))))
-        for row, lane in enumerate(lanes):
-            for ln, kind, start, end in self.spans:
-                if ln == lane:
-                    ax.broken_barh([(shift + start, max(end - start, 1e-3))], (row - 0.4, 0.8),
-                                   color=_COLORS.get(kind, "black"))
+        bars = collections.defaultdict(list)  # (row, kind) -> its spans: one collection each (one per span took
+        for lane, kind, start, end in self.spans:  # a sync run's thousands of spans 100 s to draw)
+            if lane in lanes:
+                bars[lanes.index(lane), kind].append((shift + start, max(end - start, 1e-3)))
+        for (row, kind), ranges in bars.items():
+            ax.broken_barh(ranges, (row - 0.4, 0.8), color=_COLORS.get(kind, "black"))
         colors = plt.get_cmap("Pastel1")
         width = max([e - origin for _, _, e in marks] + [shift + e for *_, e in self.spans] + [1e-9])
         narrow = []  # phases too short to hold their name: named in the legend instead
