@@ -16,16 +16,23 @@ earlier one (8 devices in groups of 2, replicas of 2 devices): generation 16.7 s
 31.6 s, the trainer no longer waiting for rollouts (0.0 s against 8.7 s). The update of a 64-sample batch
 took 5.3 s with fsdp on 2 devices and 6.3-6.9 s tensor-parallel on 4, hence no tensor parallelism.
 
-The update's schedule: a constant learning rate of 3e-5 (veRL's actor default is constant; no warm-up).
-Measured by `make run ARGS="--config.seed=S --config.trainer.learning_rate=LR"` (16 updates; the held-out
-greedy gain with its paired 95% interval): 3e-5 gained +0.117 [+0.055, +0.188], +0.102 [+0.047, +0.156]
-and +0.078 [+0.031, +0.133] on seeds 0, 1, 2; 1e-4 gained -0.070 [-0.148, +0.008], +0.023 and +0.039
-(the greedy policy peaked within 8 updates, then fell); 3e-4 collapsed it (-0.250 and -0.430 on seeds 0
-and 1). At 3e-5, 32 updates (seed 0) gained +0.094 [+0.008, +0.180]: calculator saturates near 53/64 and
-lookup does not move, so 16 updates keep the gain at half the time. Dynamic sampling
-(`controller.filter_groups`, DAPO): a group whose 8 rewards are all equal is dropped and replaced, so
-every update trains on 8 informative groups; that costs rollout (a third to a half of the sampled groups
-were dropped in those runs). Environment latency is real waiting (log-normal, median 0.3 s). Every key
+The update's schedule: a constant learning rate of 1e-5 for 40 updates (veRL's actor default is constant; no
+warm-up). Measured with `make run ARGS="--config.controller.steps=40 --config.trainer.learning_rate=LR"` on
+seed 0 (the held-out greedy gain with its paired 95% interval): 1e-5 +0.141 [+0.070, +0.211]; 3e-5 +0.078
+[-0.008, +0.164] (+0.055 with Adam's b1 at 0.98); 1e-4 +0.055 [-0.024, +0.133]. At 16 updates 3e-5 had gained
++0.117, +0.102 and +0.078 on seeds 0, 1, 2, all of it within the first four updates (seed 0's evaluation
+during RL held still after them), and 3e-4 collapsed the policy (-0.250 and -0.430 on seeds 0 and 1). Why so
+small a rate: an update of 64 samples carries little signal, and a larger step spends it on the failures and
+erodes the copying both tasks rest on. One update at 1e-4 moved the sequence log-prob of the
+positive-advantage samples by +0.21 nats and of the negative ones by -1.45 (a failed sample's unlikely tokens
+have the largest gradients); in a sync GRPO loop from the same checkpoint at 3e-4, greedy calculator fell from
+40 to 2 of 64 in 8 updates (the replies mis-copy the tool's result), and it fell too with 256 samples per
+update (to 20 in 10 updates) and with a KL term of 0.1 (to 9 in 20). At 1e-5 the gain builds over the 40
+updates instead.
+
+Dynamic sampling (`controller.filter_groups`, DAPO): a group whose 8 rewards are all equal is dropped and
+replaced, so every update trains on 8 informative groups; that costs rollout (a third to a half of the sampled
+groups are dropped). Environment latency is real waiting (log-normal, median 0.3 s). Every key
 can be overridden with `--config.x.y=v`.
 """
 
