@@ -619,7 +619,8 @@ class Controller(Boundaries, Borrowing, Multihost):
                     if self._filtered["samples"]:
                         stats["sampled_reward"] = self._filtered["reward_sum"] / self._filtered["samples"]
                     self._filtered.clear()
-                self.metrics.consume(int(out.get("tokens", 0)), len(trajs), lags, stats.get("sampled_reward", stats["reward"]))
+                self.metrics.consume(int(out.get("tokens", 0)), len(trajs), lags,
+                                     stats.get("sampled_reward", stats["reward"]))
                 evals = await self.metrics.run_hook(on_step, self.step)  # e.g. a held-out evaluation, whose
                 last += self.metrics.phases[-1][2] - self.metrics.phases[-1][1] if evals else 0.0  # time ERS ignores
                 self.metrics.log_step(self.step, dict(

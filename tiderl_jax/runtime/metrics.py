@@ -43,9 +43,9 @@ _COLORS = {"generate": "tab:blue", "score": "tab:orange", "train": "tab:green", 
            "move": "tab:purple", "sft": "tab:olive", "eval": "tab:gray"}
 # TensorBoard groups of the per-update keys (metrics.jsonl keeps them flat); `eval_*` and `sft_*` go to eval/, sft/
 TAG_GROUPS = {
-    "train": ("reward", "reward_std", "sampled_reward", "zero_variance_groups", "zero_variance_dropped", "loss", "policy_loss", "kl",
-              "entropy", "value_loss", "nll", "grad_norm", "skipped", "lr", "clip_fraction", "dual_clip_fraction",
-              "approx_kl", "ratio", "importance_weight", "truncated_fraction", "tokens", "sequences", "dropped",
+    "train": ("reward", "reward_std", "sampled_reward", "zero_variance_groups", "zero_variance_dropped", "loss",
+              "policy_loss", "kl", "entropy", "value_loss", "nll", "grad_norm", "skipped", "lr", "clip_fraction",
+              "dual_clip_fraction", "approx_kl", "ratio", "importance_weight", "truncated_fraction", "tokens", "sequences", "dropped",
               "shared_groups", "version", "proximal_recomputed", "proximal_in_step", "on_policy", "behaviour_logp_diff_mean",
               "behaviour_logp_diff_p99", "tokens_computed", "tokens_real", "attention_pairs",
               "attention_pairs_computed", "row_len"),
@@ -255,10 +255,11 @@ class RunMetrics:
         lanes = [lane for lane in LANES if any(s[0] == lane for s in self.spans)]
         rows = lanes + (["phases"] if marks else [])
         fig, ax = plt.subplots(figsize=(12, 1.3 + 0.6 * max(1, len(rows))))
+        row_of = {lane: row for row, lane in enumerate(lanes)}
         bars = collections.defaultdict(list)  # (row, kind) -> its spans: one collection each (one per span took
         for lane, kind, start, end in self.spans:  # a sync run's thousands of spans 100 s to draw)
-            if lane in lanes:
-                bars[lanes.index(lane), kind].append((shift + start, max(end - start, 1e-3)))
+            if lane in row_of:
+                bars[row_of[lane], kind].append((shift + start, max(end - start, 1e-3)))
         for (row, kind), ranges in bars.items():
             ax.broken_barh(ranges, (row - 0.4, 0.8), color=_COLORS.get(kind, "black"))
         colors = plt.get_cmap("Pastel1")
