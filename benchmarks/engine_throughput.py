@@ -1,7 +1,8 @@
 """Output tokens/s and latency of the rollout engine vs a static-batch JAX loop, transformers and vLLM-CPU, in one run.
 
     python benchmarks/engine_throughput.py [--model tiny|smollm2|both] [--workloads A,B,C] [--quick]
-        [--attention auto|xla,cpu] [--json out.json] [--vllm_python PY] [--hf_python PY]
+        [--attention auto|xla,cpu] [--prefill ragged|padded|ragged,padded] [--json out.json] [--vllm_python PY]
+        [--hf_python PY]
 
 Models (every system loads the same weights, fp32):
 - `tiny`: a random Qwen2-architecture HF checkpoint written by our exporter (hidden 256, 4 layers,
@@ -260,13 +261,14 @@ def bench_model(model_name, names, args, limits):
     params, wbytes = weights(model)
     print(f"[{model_name}] {params / 1e6:.1f}M parameters, {wbytes / 1e6:.0f} MB of weights; checkpoint {ckpt}",
           flush=True)
-    impls = args.attention.split(",")
+    impls, modes = args.attention.split(","), args.prefill.split(",")
     engines = {}
     for impl in impls:
-        config = EngineConfig(page_size=16, num_pages=4096, max_seq_len=MAX_LEN, max_running=64,
-                              prefill_chunk=512, prefill_budget=2048, max_prefill_rows=16, decode_steps=16,
-                              attention_impl=impl)
-        engines[engine_name(impl, impls)] = Engine(model, config)
+        for mode in modes:
+            config = EngineConfig(page_size=16, num_pages=4096, max_seq_len=MAX_LEN, max_running=64,
+                                  prefill_chunk=512, prefill_budget=2048, max_prefill_rows=16, decode_steps=16,
+                                  attention_impl=impl, ragged_prefill=mode == "ragged")
+            engines[engine_name(impl, impls, mode, modes)] = Engine(model, config)
     warmup_s = dict.fromkeys(engines, 0.0)
     if args.full_warmup:
         for system, engine in engines.items():
@@ -297,7 +299,9 @@ def bench_model(model_name, names, args, limits):
                    / max(1, s1["prompt_tokens"] - s0["prompt_tokens"]))
             late = compile_seconds() - c1
             secs -= late  # compiles excluded from the rate (its batches can differ from the warm-up pass's)
-            note = f"attention {engine.runner.impl}; {s1['preemptions'] - s0['preemptions']} preemptions"
+            slots, computed = (s1[k] - s0[k] for k in ("prefill_slots", "prefill_tokens_computed"))
+            note = (f"attention {engine.runner.impl}; {s1['preemptions'] - s0['preemptions']} preemptions; "
+                    f"prefill {slots} token slots for {computed} tokens")
             if late > 0.05:
                 note += f"; {late:.1f} s compiling inside the timed run (excluded, in compile_s)"
             rows.append(row(model_name, name, system, tokens, secs, tracker,
@@ -354,21 +358,23 @@ def bench_model(model_name, names, args, limits):
 WARMUP_PASSES = 3  # untimed passes of a workload at most, until one compiles nothing
 
 
-def engine_name(impl: str, impls: list[str]) -> str:
-    """The engine's row name: "tiderl engine", or with several attention implementations "tiderl engine (IMPL)"."""
-    return "tiderl engine" if len(impls) == 1 else f"tiderl engine ({impl})"
+def engine_name(impl: str, impls: list[str], mode: str = "ragged", modes=("ragged",)) -> str:
+    """The engine's row name: "tiderl engine", or with several attention implementations or prefill modes
+    "tiderl engine (IMPL)", "tiderl engine (padded)", "tiderl engine (IMPL, padded)"."""
+    tags = ([impl] if len(impls) > 1 else []) + ([mode] if len(modes) > 1 else [])
+    return "tiderl engine" + (f" ({', '.join(tags)})" if tags else "")
 
 
 def print_table(rows):
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    print(f"\n{'model':<8}{'wl':<3}{'system':<21}{'tok/s':>7}{'ttft50':>8}{'ttft95':>8}{'itl50ms':>8}"
+    print(f"\n{'model':<8}{'wl':<3}{'system':<24}{'tok/s':>7}{'ttft50':>8}{'ttft95':>8}{'itl50ms':>8}"
           f"{'itl95ms':>8}{'batch':>6}{'roof':>7}{'%roof':>6}{'comp s':>7}{'hit':>5}{'vsVLLM':>7}{'vsStat':>7}  note")
     for r in rows:
         if r["system"] == "machine":
             continue
         ms = lambda v: None if v is None else v * 1e3  # noqa: E731
         frac = r.get("fraction_of_roofline")
-        print(f"{r['model']:<8}{r['workload']:<3}{r['system']:<21}{fmt(r['output_tokens_per_s'], '.0f'):>7}"
+        print(f"{r['model']:<8}{r['workload']:<3}{r['system']:<24}{fmt(r['output_tokens_per_s'], '.0f'):>7}"
               f"{fmt(r['ttft_p50_s'], '.2f'):>8}{fmt(r['ttft_p95_s'], '.2f'):>8}{fmt(ms(r['itl_p50_s']), '.1f'):>8}"
               f"{fmt(ms(r['itl_p95_s']), '.1f'):>8}{fmt(r['mean_batch'], '.1f'):>6}"
               f"{fmt(r.get('roofline_tokens_per_s'), '.0f'):>7}{fmt(None if frac is None else 100 * frac, '.0f'):>6}"
@@ -390,6 +396,9 @@ def main():
     p.add_argument("--attention", default="auto",
                    help="the engine's attention_impl; several, comma-separated (e.g. xla,cpu), run the engine once "
                         "per implementation on the same requests, rows named 'tiderl engine (IMPL)'")
+    p.add_argument("--prefill", default="ragged",
+                   help="the engine's prefill calls: ragged (tokens packed: EngineConfig.ragged_prefill) or padded; "
+                        "both, comma-separated, run the engine once per mode on the same requests")
     p.add_argument("--external_timeout", type=int, default=1800)
     p.add_argument("--full_warmup", action="store_true",
                    help="compile every shape bucket first (tiny: ~220 programs; SmolLM2: ~40 min on two cores)")

@@ -166,6 +166,41 @@ def test_logprobs_equal_a_full_forward_over_the_generated_sequence():
         assert o.versions[-n:] == [0] * n and o.versions[:-n] == [-1] * (len(seq) - n)
 
 
+@pytest.mark.parametrize("impl,ragged", [("reference", True), ("xla", True), ("cpu", True), ("cpu", False)])
+def test_ragged_prefill_packs_the_rows_and_equals_a_full_forward(impl, ragged):
+    """Prompts of odd lengths around page boundaries (pages of 8: 1, 7, 8, 9, 17 and 23 tokens), a group sharing
+    its prompt and a prompt whose first blocks are cached, prefilled together: each call packs its rows' tokens
+    back to back (fewer token slots than its [rows, width] view; `ragged_prefill=False`: the padded block), and
+    the log-prob of every token sampled equals a full forward of the sequence, on each attention path."""
+    if impl == "cpu":
+        from tiderl_jax.engine import cpu_attention
+        assert cpu_attention.available(), cpu_attention.unavailable_reason()
+    eng = _engine(attention_impl=impl, max_prefill_rows=8, prefill_chunk=32, prefill_budget=128,
+                  ragged_prefill=ragged)
+    shared = _prompts([24], seed=21)[0]
+    eng.generate([shared + [5]], GREEDY)  # its 3 full blocks are cached now
+    calls, prefill = [], eng.runner.prefill
+
+    def logged(tokens, positions, unpack, pack, last, page_table, starts, num_new, *a, **k):
+        calls.append((tokens.shape[1], unpack.shape, int(num_new.sum())))
+        return prefill(tokens, positions, unpack, pack, last, page_table, starts, num_new, *a, **k)
+    eng.runner.prefill = logged
+    prompts = _prompts([1, 7, 8, 9, 17, 23], seed=22) + [shared + [9, 9, 9]]
+    sp = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=i) for i in range(len(prompts))]
+    handles = [eng.submit(Request(p, s)) for p, s in zip(prompts, sp)]
+    handles += eng.submit_group(Request(_prompts([13], seed=23)[0], SamplingParams(temperature=1.0, max_new_tokens=6,
+                                                                                     seed=40)), 3)
+    eng.run(handles)
+    assert all(real <= size <= rows * width for size, (rows, width), real in calls)
+    packed = [size < rows * width for size, (rows, width), _ in calls]  # fewer slots than the padded view
+    assert any(packed) if ragged else not any(packed)
+    for h in handles:
+        o = eng.get(h)
+        n = len(o.new_tokens)
+        np.testing.assert_allclose(o.logp_model[-n:], token_logprobs(MODEL, o.tokens)[-n:], atol=1e-4)
+    assert eng.stats()["prompt_tokens_cached"] >= 24
+
+
 def test_top_k_top_p_and_seeds():
     eng = _engine()
     p = _prompts([12], seed=10)
@@ -310,7 +345,8 @@ def test_no_recompiles_in_steady_state():
     eng = _engine(num_pages=48, max_running=4, max_seq_len=128, prefill_chunk=32, max_prefill_rows=4)
     eng.warmup()
     warm, compile_s = eng.stats()["compilations"], eng.compile_s
-    assert warm == eng.num_programs() == 23  # decode 1 row x 5 span buckets + prefill 3 rows x 2 chunks x 3 spans
+    # decode 1 row x 5 span buckets + prefill 3 spans x the 11 (rows, chunk width, packed tokens) of the ragged calls
+    assert warm == eng.num_programs() == 38
     rng = np.random.default_rng(0)
     handles = []
     for i in range(40):
@@ -377,10 +413,10 @@ def test_coarse_buckets_compile_fewer_programs_with_the_same_outputs():
 
 
 def test_the_main_jobs_engine_warms_up_a_small_grid():
-    """The main job's engine config (configs/tiny_agentic.py) compiles 27 programs at warm-up (a cold warm-up
+    """The main job's engine config (configs/tiny_agentic.py) compiles 38 programs at warm-up (a cold warm-up
     under a minute on 2 CPU cores: benchmarks/engine_warmup.py measures it): decode 3 rows x 3 spans, prefill
-    2 rows x the 9 (chunk width, span) pairs whose span can hold the chunk."""
+    the (rows, chunk width, packed tokens, span) of the ragged calls whose span can hold the chunk."""
     import configs.tiny_agentic as main_job
     eng = Engine(MODEL, EngineConfig(**main_job.get_config().engine.to_dict()))
     kinds = [key[0] for key in eng.grid()]
-    assert eng.num_programs() == 27 and kinds.count("decode") == 9 and kinds.count("prefill") == 18
+    assert eng.num_programs() == 38 and kinds.count("decode") == 9 and kinds.count("prefill") == 29

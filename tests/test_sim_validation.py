@@ -130,9 +130,9 @@ def test_prefill_goes_on_over_events_in_the_engines_chunks_under_its_budget(monk
     eng = Engine(model, EngineConfig(num_pages=128, max_running=64, max_prefill_rows=16, decode_steps=8, **engine))
     real, prefill = [], eng.runner.prefill
 
-    def logged(tokens, page_table, *a, **k):
-        real.append((eng.stats()["steps"], tokens.shape[0], tokens.shape[1], page_table.shape[1]))
-        return prefill(tokens, page_table, *a, **k)
+    def logged(tokens, positions, unpack, pack, last, page_table, *a, **k):  # the [rows, width] attention view
+        real.append((eng.stats()["steps"], unpack.shape[0], unpack.shape[1], page_table.shape[1]))
+        return prefill(tokens, positions, unpack, pack, last, page_table, *a, **k)
     monkeypatch.setattr(eng.runner, "prefill", logged)
     rng = np.random.default_rng(0)
     for n in lengths:

@@ -20,6 +20,10 @@ class EngineConfig:
     prefill_pressure_budget: int = 256  # P-PAS cap under prefill pressure
     prefill_policy: str = "static"  # "static" | "ppas"
     decode_steps: int = 16  # decode steps per call when no prefill is pending
+    # a prefill call's tokens packed back to back in a bucket of their sum (projections and MLP compute no row or
+    # chunk padding; the attention alone runs in the padded [rows, width] view); False: the padded block itself,
+    # rows x width token slots (fewer programs to compile)
+    ragged_prefill: bool = True
     enable_prefix_cache: bool = True
     reuse_stale_prefix_cache: bool = False
     on_update: str = "continue"  # "continue" | "abort"
@@ -29,7 +33,7 @@ class EngineConfig:
     max_stop_ids: int = 8
     # How far apart the shape buckets are (each bucket is one compiled program per shape): 2 = powers of
     # two (decode's attention span 1.5x apart); 4 = powers of four everywhere: about a sixth of the programs
-    # to compile (the main job's engine: 27 programs, a cold warm-up under a minute on 2 CPU cores), for more
+    # to compile (the main job's engine: 38 programs, a cold warm-up under a minute on 2 CPU cores), for more
     # padding per call (a short job's choice).
     bucket_growth: int = 2
     # WAR's model-free speculative decoding (engine/speculation.py): "off"; "on" (every decode step at a batch of

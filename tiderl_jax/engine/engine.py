@@ -10,9 +10,10 @@
 
 `step()` is one scheduling round: admit waiting sequences into free slots (prefix-cache lookup,
 or a fork of the group leader's prompt pages), take chunks of pending prefills up to the prefill
-budget (a policy in `tiderl_jax/policies/prefill_budget.py`: static or P-PAS), run one prefill
-program for all chunks, then one decode program for every running sequence: K steps at once when
-nothing else waits, one step otherwise, so prefills interleave with decodes. With speculation (WAR,
+budget (a policy in `tiderl_jax/policies/prefill_budget.py`: static or P-PAS), run one ragged prefill
+program per chunk-length bucket (the chunks' tokens packed back to back), then one decode program for every
+running sequence: K steps at once when nothing else waits, one step otherwise, so prefills interleave with
+decodes. With speculation (WAR,
 `speculation.py`), a decode step drafts tokens per sequence and verifies them in one forward instead.
 
 Memory: pages are allocated as sequences grow. When none is left, the preemption policy
@@ -80,6 +81,11 @@ class Engine(SpeculativeDecoding):
         self._row_buckets = pow2_buckets(min(8, config.max_running), config.max_running, g)
         self._prefill_row_buckets = pow2_buckets(1, min(config.max_prefill_rows, config.max_running), g)
         self._chunk_buckets = pow2_buckets(min(16, config.prefill_chunk), config.prefill_chunk, g)
+        # A prefill call's packed tokens (ragged rows): the chunk buckets, then powers of two on to the most one
+        # call can take
+        most = min(config.prefill_budget, self._prefill_row_buckets[-1] * config.prefill_chunk)
+        self._token_buckets = tuple(sorted(set(self._chunk_buckets) | set(
+            pow2_buckets(self._chunk_buckets[-1], max(most, self._chunk_buckets[-1])))))
         self._compile_s_before_move = 0.0  # compile seconds of runners replaced by `move_to`
         self._counters = dict(steps=0, prefill_calls=0, decode_calls=0, prompt_tokens=0,
                               prompt_tokens_cached=0, prefill_tokens_computed=0, decode_tokens=0,
@@ -317,17 +323,21 @@ class Engine(SpeculativeDecoding):
 
     def grid(self) -> list:
         """The shape keys of every program traffic within the configured limits can run: decode (rows x attention
-        span), prefill (rows x chunk width x span, without the spans too short for the chunk: a chunk in width
-        bucket w has more tokens than the bucket below w, so its span holds at least that many) and, with
-        speculation, verify (rows x span)."""
+        span), prefill (rows x chunk width x packed tokens x span, without the spans too short for the chunk: a
+        chunk in width bucket w has more tokens than the bucket below w, so its span holds at least that many, and
+        without the packed sizes too small for that many tokens in that many rows) and, with speculation, verify
+        (rows x span)."""
         keys = [("decode", (rows,), (rows, pages), self.config.decode_steps)
                 for rows in self._row_buckets for pages in self._page_buckets]
-        ps = self.config.page_size
+        ps, top = self.config.page_size, self._token_buckets[-1]  # sizes a call's tokens can take
         for i, width in enumerate(self._chunk_buckets):
             shortest = self._chunk_buckets[i - 1] + 1 if i else 1
-            keys += [("prefill", (rows, width), (rows, pages)) for rows in self._prefill_row_buckets
-                     for pages in self._prefill_page_buckets if pages * ps >= shortest
-                     or pages == self._prefill_page_buckets[-1]]
+            for j, rows in enumerate(self._prefill_row_buckets):
+                fewest = self._prefill_row_buckets[j - 1] + 1 if j else 1
+                keys += [("prefill", (rows, width), (rows, pages), n) for n in self._packed_sizes(rows, width)
+                         if n >= min(fewest * shortest, top)
+                         for pages in self._prefill_page_buckets if pages * ps >= shortest
+                         or pages == self._prefill_page_buckets[-1]]
         return keys + self._spec_programs()
 
     def programs(self) -> frozenset:
@@ -630,22 +640,38 @@ class Engine(SpeculativeDecoding):
             ended += self._run_prefill_group(group, width)
         return ended
 
+    def _packed_sizes(self, rows: int, width: int) -> list[int]:
+        """The packed sizes of a prefill call in the [rows, width] view: the token buckets below rows * width, then
+        rows * width itself (never more than the view's padding); only that without `ragged_prefill`."""
+        padded = rows * width
+        return [n for n in self._token_buckets if n < padded and self.config.ragged_prefill] + [padded]
+
     def _run_prefill_group(self, chunks: list[tuple[_Seq, int]], width: int) -> list[int]:
+        """One ragged call: the chunks' tokens packed back to back (a bucket of their sum), the attention in the
+        [rows, width] view (`PagedKV`)."""
         rows = bucket(len(chunks), self._prefill_row_buckets)
         seqs = [s for s, _ in chunks]
-        tokens = np.zeros((rows, width), np.int32)
-        starts = np.zeros(rows, np.int32)
-        num_new = np.zeros(rows, np.int32)
-        for i, (s, n) in enumerate(chunks):
-            tokens[i, :n] = s.tokens[s.num_computed:s.num_computed + n]
-            starts[i], num_new[i] = s.num_computed, n
+        sizes = [n for _, n in chunks]
+        size = bucket(sum(sizes), self._packed_sizes(rows, width))
+        # where each chunk starts in the packed tokens: back to back, or at its row of the padded block
+        offsets = np.cumsum([0] + sizes[:-1]) if self.config.ragged_prefill else np.arange(len(chunks)) * width
+        tokens, positions = np.zeros((1, size), np.int32), np.zeros((1, size), np.int32)
+        unpack = np.full((rows, width), size, np.int32)
+        pack, last = np.zeros(size, np.int32), np.zeros(rows, np.int32)
+        starts, num_new = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        for i, ((s, n), at) in enumerate(zip(chunks, offsets)):
+            tokens[0, at:at + n] = s.tokens[s.num_computed:s.num_computed + n]
+            positions[0, at:at + n] = np.arange(s.num_computed, s.num_computed + n)
+            unpack[i, :n] = np.arange(at, at + n)
+            pack[at:at + n] = i * width + np.arange(n)
+            starts[i], num_new[i], last[i] = s.num_computed, n, at + n - 1
         temp, top_k, top_p, seeds, index, filtered = self._sampling_arrays(seqs, rows)
-        tok, lps, lpm = self.runner.prefill(tokens, self._page_table(seqs, rows, self._prefill_page_buckets),
-                                            starts, num_new,
-                                            temp, top_k, top_p, seeds, index, filtered=filtered,
-                                            **self._image_inputs(chunks, rows, width))
+        tok, lps, lpm = self.runner.prefill(tokens, positions, unpack, pack, last,
+                                            self._page_table(seqs, rows, self._prefill_page_buckets), starts,
+                                            num_new, temp, top_k, top_p, seeds, index, filtered=filtered,
+                                            **self._image_inputs(chunks, offsets, size))
         self._counters["prefill_calls"] += 1
-        self._counters["prefill_slots"] = self._counters.get("prefill_slots", 0) + rows * width  # padding included
+        self._counters["prefill_slots"] = self._counters.get("prefill_slots", 0) + size  # padding included
         ended = []
         now = time.perf_counter()
         for i, (s, n) in enumerate(chunks):
@@ -658,14 +684,15 @@ class Engine(SpeculativeDecoding):
                     ended.append(s.id)
         return ended
 
-    def _image_inputs(self, chunks: list[tuple[_Seq, int]], rows: int, width: int) -> dict:
-        """A vision model's prefill inputs for `chunks` (padded to [rows, width]); {} for a text model."""
+    def _image_inputs(self, chunks: list[tuple[_Seq, int]], offsets, size: int) -> dict:
+        """A vision model's prefill inputs for `chunks`, packed as their tokens ([1, size], each chunk from its
+        offset); {} for a text model."""
         if not self.model_cfg.is_vision:
             return {}
-        patches = np.zeros((rows, width, self.model_cfg.image_patch_dim), np.float32)
-        patch_index = np.full((rows, width), -1, np.int32)
-        for i, (s, n) in enumerate(chunks):
-            patches[i, :n], patch_index[i, :n] = vision.dense_inputs(
+        patches = np.zeros((1, size, self.model_cfg.image_patch_dim), np.float32)
+        patch_index = np.full((1, size), -1, np.int32)
+        for (s, n), at in zip(chunks, offsets):
+            patches[0, at:at + n], patch_index[0, at:at + n] = vision.dense_inputs(
                 s.images, s.num_computed, s.num_computed + n, self.model_cfg.image_patch_dim)
         return dict(patches=patches, patch_index=patch_index)
 

@@ -178,6 +178,11 @@ class PagedKV:
     whose `LAYOUT` is "heads"); page_table [b, P];
     starts [b]: tokens of each row already cached (its first new token's position);
     num_new [b]: real tokens of this call per row (0 for a padding row).
+
+    A ragged (token-packed) call feeds the model its rows' new tokens back to back, as one row [1, n] (the
+    projections and the MLP compute no padding), and gives `unpack` [b, t]: the packed index of row b's query t
+    (n or more for padding), and `pack` [n]: each packed token's index in the flattened [b * t] view. Only the
+    attention runs in that [b, t] view (the kernels skip its padding queries).
     """
 
     k_pages: tuple[jax.Array, ...]
@@ -186,13 +191,19 @@ class PagedKV:
     starts: jax.Array
     num_new: jax.Array
     impl: str = flax.struct.field(pytree_node=False, default="xla")
+    unpack: jax.Array | None = None
+    pack: jax.Array | None = None
 
     def attend_layer(self, i, q, k, v, constrain):
+        if self.unpack is not None:  # [1, n, ...] packed -> the [b, t, ...] rows view (padding zeros)
+            q, k, v = (jnp.take(x[0], self.unpack, axis=0, mode="fill", fill_value=0) for x in (q, k, v))
         layout = pool_layout(self.impl)
         k_pool = write_pages(self.k_pages[i], k, self.page_table, self.starts, self.num_new, layout)
         v_pool = write_pages(self.v_pages[i], v, self.page_table, self.starts, self.num_new, layout)
         per_shard = {"constrain": constrain, "num_new": self.num_new} if self.impl in KERNEL_IMPLS else {}
         out = PAGED_ATTENTION[self.impl](q, k_pool, v_pool, self.page_table, self.starts, **per_shard)
+        if self.unpack is not None:
+            out = jnp.take(out.reshape(-1, *out.shape[2:]), self.pack, axis=0)[None]
         return out, (k_pool, v_pool)
 
     def advance(self, layer_states, num_new):

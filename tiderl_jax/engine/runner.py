@@ -3,10 +3,12 @@
 Three jitted programs, each compiled once per padded shape bucket so a steady-state run never
 recompiles (`compile_count` lets tests check it):
 
-- `prefill(rows [B], chunk [T], pages [P])`: writes up to T new tokens per row into its pages,
-  computes logits only at each row's last real token, and samples a token there (used only when the
-  chunk completes the row's context); a vision model's prefill also takes the chunk's image inputs
-  (patches [B, T, patch_dim], patch_index [B, T]), a text-only model's program has no such inputs;
+- `prefill(tokens [N], rows [B], chunk [T], pages [P])`: the rows' new tokens packed back to back (ragged: N
+  is a bucket of their sum, so the projections and the MLP compute no row or chunk padding; the attention runs
+  in the [B, T] view, `PagedKV`), writes up to T new tokens per row into its pages, computes logits only at
+  each row's last real token, and samples a token there (used only when the chunk completes the row's
+  context); a vision model's prefill also takes the chunk's image inputs (patches [N, patch_dim],
+  patch_index [N], packed the same way), a text-only model's program has no such inputs;
 - `decode(rows [S], pages [P])`: up to K decode steps in one call (a `while` loop on device with a
   dynamic trip count), each feeding every live row its last token, writing its KV and sampling the
   next; rows stop on their stop ids or remaining budget. Multi-step decode removes the host round
@@ -38,17 +40,14 @@ from tiderl_jax.model.decoder import Decoder, split_adapters
 from tiderl_jax.model.sharding import place_copy, spec_for
 
 
-def _prefill_program(graphdef, params, k_pages, v_pages, tokens, page_table, starts, num_new,
-                     temperature, top_k, top_p, seeds, sample_index, filtered, patches=None,
+def _prefill_program(graphdef, params, k_pages, v_pages, tokens, positions, unpack, pack, last, page_table, starts,
+                     num_new, temperature, top_k, top_p, seeds, sample_index, filtered, patches=None,
                      patch_index=None, *, impl):
     model = nnx.merge(graphdef, params)
-    b, t = tokens.shape
-    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    cache = PagedKV(k_pages, v_pages, page_table, starts, num_new, impl=impl)
+    cache = PagedKV(k_pages, v_pages, page_table, starts, num_new, impl=impl, unpack=unpack, pack=pack)
     hidden, cache = model(tokens, positions, cache=cache, num_new=num_new, patches=patches,
                           patch_index=patch_index, return_hidden=True)
-    last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
-    logits = model.logits(last)[:, 0]
+    logits = model.logits(hidden[0, last][:, None])[:, 0]  # at each row's last packed token
     token, lp_sample, lp_model = sample(logits, temperature, top_k, top_p,
                                         row_keys(seeds, sample_index), filtered=filtered)
     return cache.k_pages, cache.v_pages, token, lp_sample, lp_model
@@ -165,21 +164,24 @@ class ModelRunner:
                                np.zeros(rows, bool), z, np.full((rows, self.max_stop_ids), -1, np.int32),
                                np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z, np.bool_(False),
                                np.int32(1), max_steps=steps, impl=self.impl)
-        elif kind in ("prefill", "verify"):
+        elif kind == "verify":
             (rows, width), (_, pages) = key[1:]
             z = np.zeros(rows, np.int32)
-            common = (np.zeros((rows, width), np.int32), np.zeros((rows, pages), np.int32), z, z)
-            sampling = (np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z, np.bool_(False))
-            if kind == "verify":
-                out = self._verify(self.graphdef, self.params, k_pages, v_pages, *common, np.zeros(rows, bool),
-                                   *sampling, impl=self.impl)
-            else:
-                images = (None, None)  # as `prefill` passes them: a call spelled otherwise is another cache entry
-                if self.cfg.is_vision:
-                    images = (np.zeros((rows, width, self.cfg.image_patch_dim), np.float32),
-                              np.full((rows, width), -1, np.int32))
-                out = self._prefill(self.graphdef, self.params, k_pages, v_pages, *common, *sampling, *images,
-                                    impl=self.impl)
+            out = self._verify(self.graphdef, self.params, k_pages, v_pages, np.zeros((rows, width), np.int32),
+                               np.zeros((rows, pages), np.int32), z, z, np.zeros(rows, bool),
+                               np.zeros(rows, np.float32), z, np.ones(rows, np.float32), z, z, np.bool_(False),
+                               impl=self.impl)
+        elif kind == "prefill":
+            (rows, width), (_, pages), n = key[1:]
+            z = np.zeros(rows, np.int32)
+            packed = (np.zeros((1, n), np.int32), np.zeros((1, n), np.int32), np.full((rows, width), n, np.int32),
+                      np.zeros(n, np.int32), z)
+            images = (None, None)  # as `prefill` passes them: a call spelled otherwise is another cache entry
+            if self.cfg.is_vision:
+                images = (np.zeros((1, n, self.cfg.image_patch_dim), np.float32), np.full((1, n), -1, np.int32))
+            out = self._prefill(self.graphdef, self.params, k_pages, v_pages, *packed,
+                                np.zeros((rows, pages), np.int32), z, z, np.zeros(rows, np.float32), z,
+                                np.ones(rows, np.float32), z, z, np.bool_(False), *images, impl=self.impl)
         else:
             raise ValueError(f"no program of kind {kind!r} to warm up")
         jax.block_until_ready(out)
@@ -244,17 +246,19 @@ class ModelRunner:
         self.k_pages, self.v_pages = self._call(key, self._write, self.k_pages, self.v_pages, k, v,
                                                 page_row, np.int32(length))
 
-    def prefill(self, tokens, page_table, starts, num_new, temperature, top_k, top_p, seeds,
-                sample_index, *, filtered: bool, patches=None, patch_index=None):
-        """All arguments are host arrays: tokens [B, T], page_table [B, P], the rest [B].
+    def prefill(self, tokens, positions, unpack, pack, last, page_table, starts, num_new, temperature, top_k, top_p,
+                seeds, sample_index, *, filtered: bool, patches=None, patch_index=None):
+        """All arguments are host arrays: the packed tokens and their positions [1, N]; unpack [B, T] (row b's t-th
+        new token's packed index, N for padding), pack [N] (each packed token's index in the flattened [B * T]
+        view), last [B] (each row's last packed token); page_table [B, P]; the rest [B] (`PagedKV`).
 
-        A vision model always gets `patches` [B, T, patch_dim] and `patch_index` [B, T] (-1 off
-        images; see `vision.dense_inputs`), so it has one program per shape bucket, as a text model.
+        A vision model always gets `patches` [1, N, patch_dim] and `patch_index` [1, N] (-1 off images; see
+        `vision.dense_inputs`), so it has one program per shape bucket, as a text model.
         """
-        key = ("prefill", tokens.shape, page_table.shape)
+        key = ("prefill", unpack.shape, page_table.shape, tokens.shape[1])
         self.k_pages, self.v_pages, tok, lps, lpm = self._call(
-            key, self._prefill, self.graphdef, self.params, self.k_pages, self.v_pages, tokens,
-            page_table, starts, num_new, temperature, top_k, top_p, seeds, sample_index,
+            key, self._prefill, self.graphdef, self.params, self.k_pages, self.v_pages, tokens, positions, unpack,
+            pack, last, page_table, starts, num_new, temperature, top_k, top_p, seeds, sample_index,
             np.bool_(filtered), patches, patch_index, impl=self.impl)
         return np.asarray(tok), np.asarray(lps), np.asarray(lpm)
 
