@@ -413,10 +413,13 @@ def test_coarse_buckets_compile_fewer_programs_with_the_same_outputs():
 
 
 def test_the_main_jobs_engine_warms_up_a_small_grid():
-    """The main job's engine config (configs/tiny_agentic.py) compiles 38 programs at warm-up (a cold warm-up
+    """The main job's engine config (configs/tiny_agentic.py) compiles 27 programs at warm-up (a cold warm-up
     under a minute on 2 CPU cores: benchmarks/engine_warmup.py measures it): decode 3 rows x 3 spans, prefill
-    the (rows, chunk width, packed tokens, span) of the ragged calls whose span can hold the chunk."""
+    2 rows x the 9 (chunk width, span) pairs whose span can hold the chunk (padded prefill: one packed size each);
+    ragged, 38."""
     import configs.tiny_agentic as main_job
     eng = Engine(MODEL, EngineConfig(**main_job.get_config().engine.to_dict()))
     kinds = [key[0] for key in eng.grid()]
-    assert eng.num_programs() == 38 and kinds.count("decode") == 9 and kinds.count("prefill") == 29
+    assert eng.num_programs() == 27 and kinds.count("decode") == 9 and kinds.count("prefill") == 18
+    ragged = Engine(MODEL, EngineConfig(**{**main_job.get_config().engine.to_dict(), "ragged_prefill": True}))
+    assert ragged.num_programs() == 38

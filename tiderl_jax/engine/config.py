@@ -33,7 +33,7 @@ class EngineConfig:
     max_stop_ids: int = 8
     # How far apart the shape buckets are (each bucket is one compiled program per shape): 2 = powers of
     # two (decode's attention span 1.5x apart); 4 = powers of four everywhere: about a sixth of the programs
-    # to compile (the main job's engine: 38 programs, a cold warm-up under a minute on 2 CPU cores), for more
+    # to compile (the main job's engine: 27 programs, a cold warm-up under a minute on 2 CPU cores), for more
     # padding per call (a short job's choice).
     bucket_growth: int = 2
     # WAR's model-free speculative decoding (engine/speculation.py): "off"; "on" (every decode step at a batch of
