@@ -166,12 +166,13 @@ def test_logprobs_equal_a_full_forward_over_the_generated_sequence():
         assert o.versions[-n:] == [0] * n and o.versions[:-n] == [-1] * (len(seq) - n)
 
 
-@pytest.mark.parametrize("impl,ragged", [("reference", True), ("xla", True), ("cpu", True), ("cpu", False)])
+@pytest.mark.parametrize("impl,ragged", [("xla", True), ("cpu", True), ("cpu", False)])
 def test_ragged_prefill_packs_the_rows_and_equals_a_full_forward(impl, ragged):
     """Prompts of odd lengths around page boundaries (pages of 8: 1, 7, 8, 9, 17 and 23 tokens), a group sharing
     its prompt and a prompt whose first blocks are cached, prefilled together: each call packs its rows' tokens
     back to back (fewer token slots than its [rows, width] view; `ragged_prefill=False`: the padded block), and
-    the log-prob of every token sampled equals a full forward of the sequence, on each attention path."""
+    the log-prob of every token sampled equals a full forward of the sequence (the reference), on the `xla` path
+    (itself equal to `reference`: tests/test_paged_attention.py) and the kernel."""
     if impl == "cpu":
         from tiderl_jax.engine import cpu_attention
         assert cpu_attention.available(), cpu_attention.unavailable_reason()
@@ -342,11 +343,11 @@ def test_engine_greedy_matches_transformers_generate(arch):
 def test_no_recompiles_in_steady_state():
     """After warm-up, a long mixed run (ragged prompts, staggered arrivals, forks, pauses with
     resumes, greedy / sampled / top-p rows) runs no device program outside the warmed bucket grid."""
-    eng = _engine(num_pages=48, max_running=4, max_seq_len=128, prefill_chunk=32, max_prefill_rows=4)
+    eng = _engine(num_pages=48, max_running=4, max_seq_len=128, prefill_chunk=32, max_prefill_rows=2)
     eng.warmup()
     warm, compile_s = eng.stats()["compilations"], eng.compile_s
-    # decode 1 row x 5 span buckets + prefill 3 spans x the 11 (rows, chunk width, packed tokens) of the ragged calls
-    assert warm == eng.num_programs() == 38
+    # decode 1 row x 5 span buckets + prefill 3 spans x the 6 (rows, chunk width, packed tokens) of the ragged calls
+    assert warm == eng.num_programs() == 23
     rng = np.random.default_rng(0)
     handles = []
     for i in range(40):
