@@ -7,8 +7,8 @@ recompiles (`compile_count` lets tests check it):
   is a bucket of their sum, so the projections and the MLP compute no row or chunk padding; the attention runs
   in the [B, T] view, `PagedKV`), writes up to T new tokens per row into its pages, computes logits only at
   each row's last real token, and samples a token there (used only when the chunk completes the row's
-  context); a vision model's prefill also takes the chunk's image inputs (patches [N, patch_dim],
-  patch_index [N], packed the same way), a text-only model's program has no such inputs;
+  context); a vision model's prefill also takes the chunk's image inputs (patches [1, N, patch_dim],
+  patch_index [1, N], packed the same way), a text-only model's program has no such inputs;
 - `decode(rows [S], pages [P])`: up to K decode steps in one call (a `while` loop on device with a
   dynamic trip count), each feeding every live row its last token, writing its KV and sampling the
   next; rows stop on their stop ids or remaining budget. Multi-step decode removes the host round
