@@ -81,8 +81,7 @@ class Engine(SpeculativeDecoding):
         self._row_buckets = pow2_buckets(min(8, config.max_running), config.max_running, g)
         self._prefill_row_buckets = pow2_buckets(1, min(config.max_prefill_rows, config.max_running), g)
         self._chunk_buckets = pow2_buckets(min(16, config.prefill_chunk), config.prefill_chunk, g)
-        # A prefill call's packed tokens (ragged rows): the chunk buckets, then powers of two on to the most one
-        # call can take
+        # a ragged prefill call's token counts: the chunk buckets, then powers of two up to the most a call takes
         most = min(config.prefill_budget, self._prefill_row_buckets[-1] * config.prefill_chunk)
         self._token_buckets = tuple(sorted(set(self._chunk_buckets) | set(
             pow2_buckets(self._chunk_buckets[-1], max(most, self._chunk_buckets[-1])))))
