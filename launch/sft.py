@@ -9,6 +9,9 @@ probe tasks (checked every `sft.probe_every` steps from `sft.min_steps`; `sft.st
 `launch/train.py --config.warm_start=scratch` runs inside the main job. Beside the checkpoint it writes
 `warm_start.json`: the steps taken, the NLL curve, every probe, the settings and the git commit.
 `--snapshots` also keeps the weights at every probe under OUT/snapshots/step_N.
+
+`--init=DIR` starts from an HF checkpoint's weights instead (a further stage of a warm start: its steps,
+schedule and probes count from 0, with a fresh optimizer); `warm_start.json` records it.
 """
 
 import json
@@ -30,6 +33,7 @@ from tiderl_jax.model.config import ConfigError  # noqa: E402
 _CONFIG = config_lib.define_config_flag("configs/tiny_agentic.py")
 flags.DEFINE_string("out", "checkpoints/tiny_agentic_sft", "Directory of the HF checkpoint to write.")
 flags.DEFINE_bool("snapshots", False, "Also write the weights at every probe (OUT/snapshots/step_N).")
+flags.DEFINE_string("init", "", "Start from this HF checkpoint's weights instead of random ones (a further stage).")
 distributed.define_flags()
 FLAGS = flags.FLAGS
 
@@ -69,8 +73,8 @@ def _main(cfg):
     from tiderl_jax.rl import sft
 
     try:
-        with cfg.unlocked():  # the warm start begins from random weights
-            cfg.warm_start, cfg.checkpoint = "scratch", ""
+        with cfg.unlocked():  # the warm start begins from random weights, or --init's
+            cfg.warm_start, cfg.checkpoint = ("checkpoint", FLAGS.init) if FLAGS.init else ("scratch", "")
         config_lib.check_main_job(cfg)
         _, _, ecfg, rcfg, warm_cfg = config_lib.rl_configs(cfg)
         _, _, tokenizer, model = config_lib.build(cfg)
@@ -97,7 +101,8 @@ def _main(cfg):
     size = export_policy(graphdef, weights, tokenizer, FLAGS.out)
     meta = dict(command=" ".join(["python"] + sys.argv), commit=_commit(), steps=len(curve),
                 nll_first=curve[0], nll_last=curve[-1], probes=probes, seconds=round(seconds, 1),
-                bytes=size, tasks=list(cfg.tasks), seed=cfg.seed, sft=s.to_dict(), nll=curve)
+                bytes=size, tasks=list(cfg.tasks), seed=cfg.seed, sft=s.to_dict(), init=FLAGS.init or None,
+                nll=curve)
     with open(os.path.join(FLAGS.out, "warm_start.json"), "w") as f:
         json.dump(meta, f, indent=1)
     print(f"warm start: {len(curve)} steps in {seconds:.0f}s, NLL {curve[0]:.3f} -> {curve[-1]:.3f}; "

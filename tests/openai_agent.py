@@ -4,7 +4,8 @@
 the result back, and returns when the policy answers (None: the configured reward scores the answer). It keeps
 what the server said it served (`SERVED[api_key]`: prompt ids, completion ids, behaviour log-probs, versions of
 every call), so a test can compare it with what was trained. Run as a script, it is the same agent as a command
-(`rollout.agent_command`): the task on stdin, the endpoint in OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL."""
+(`rollout.agent_command`): the task on stdin, the endpoint in OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL, its
+sampling temperature in AGENT_TEMPERATURE (1.0 when unset)."""
 
 import asyncio
 import json
@@ -28,13 +29,13 @@ def _calc(arguments: str) -> str:
         return f"error: {e}"
 
 
-async def agent(task, base_url, api_key):
+async def agent(task, base_url, api_key, temperature=1.0):
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
     messages = [{"role": "system", "content": task["system_prompt"]}, {"role": "user", "content": task["prompt"]}]
     served = SERVED.setdefault(api_key, [])
     for _ in range(task.get("max_turns") or 3):
         r = await client.chat.completions.create(model=task["model"], messages=messages, tools=TOOLS,
-                                                 temperature=1.0, max_tokens=96,
+                                                 temperature=temperature, max_tokens=96,
                                                  extra_body={"return_token_ids": True})
         choice = r.choices[0]
         served.append(dict(prompt=r.model_extra["prompt_token_ids"], completion=choice.model_extra["token_ids"],
@@ -73,7 +74,8 @@ async def hanging(task, base_url, api_key):
 async def _main():
     task = json.load(sys.stdin)
     task["model"] = os.environ["OPENAI_MODEL"]
-    await agent(task, os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"])
+    await agent(task, os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"],
+                float(os.environ.get("AGENT_TEMPERATURE", "1.0")))
     print(json.dumps({"calls": len(SERVED[os.environ["OPENAI_API_KEY"]])}))  # not a reward: the scorer's applies
 
 

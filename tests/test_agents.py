@@ -45,6 +45,37 @@ def test_demonstrations_solve_their_tasks(kind):
         assert wrong.done and wrong.reward == 0.0
 
 
+def test_the_shortcut_demonstrator_skips_its_last_tool_call():
+    """The imperfect demonstrator of the warm start (`sft.shortcut_rate`): lookup stops after its first search and
+    answers the city it found, which scores 0 every time; calculator replies at once with the expression worked out
+    left to right, which its environment sends back asking for the tool."""
+    from tiderl_jax.rl import sft
+    for i in range(20):
+        task = T.make_task("lookup", i)
+        demo, ideal = T.demonstration(task, shortcut=True), T.demonstration(task)
+        assert demo[:4] == ideal[:4] and len(demo) == 5 and demo[-1].content == task.data["city"]
+        turns = [chat.render([m])[len(f"{chat.TURN_START}assistant\n"):] for m in demo if m.role == "assistant"]
+        result = _run_env(task, turns)[1][-1]
+        assert result.done and result.reward == 0.0
+        task = T.make_task("calculator", i)
+        demo = T.demonstration(task, shortcut=True)
+        assert len(demo) == 3 and not demo[-1].tool_calls and demo[-1].content == str(T._left_to_right(task.data["expr"]))
+        result = _run_env(task, [demo[-1].content])[1][-1]
+        assert not result.done and result.reward == 0.0 and "no tool call found" in result.observation
+    assert T._left_to_right("3 + 4 * 5") == 35 and T._left_to_right("(3 + 4) * 5") == 35
+    with pytest.raises(ValueError, match="'python' has no shortcut"):
+        T.demonstration(T.make_task("python", 0), shortcut=True)
+    stream = sft.train_tasks(("calculator", "lookup", "python"), 0, 900, 0)
+    for rate in (0.3, 0.6):
+        for kind in ("calculator", "lookup"):
+            of_kind = [t for t in stream if t.kind == kind]
+            assert abs(sum(sft.takes_shortcut(t, rate) for t in of_kind) / len(of_kind) - rate) < 0.07
+    assert not any(sft.takes_shortcut(t, 1.0) for t in stream if t.kind == "python")
+    assert not any(sft.takes_shortcut(t, 0.0) for t in stream)
+    taken = {t.task_id for t in stream if sft.takes_shortcut(t, 0.3)}  # nested: a higher rate adds tasks
+    assert taken <= {t.task_id for t in stream if sft.takes_shortcut(t, 0.6)}
+
+
 def test_generators_are_seeded_and_splits_differ():
     assert T.make_task("calculator", 3) == T.make_task("calculator", 3)
     assert T.make_task("calculator", 3).prompt != T.make_task("calculator", 3, "heldout").prompt

@@ -287,6 +287,7 @@ def _checkpoint_flags(script, path, tmp_path):
     return {"generate.py": [f"--checkpoint={path}", "--prompt=x", "--max_seq_len=64", "--num_pages=16"],
             "serve.py": [f"--checkpoint={path}", "--port=0"],
             "export_hf.py": [f"--checkpoint={path}", f"--out={tmp_path / 'out'}"],
+            "sft.py": ["--config=configs/tiny_agentic.py", f"--init={path}", f"--out={tmp_path / 'out'}"],
             "sample.py": ["--config=configs/tiny.py", f"--config.checkpoint={path}"],
             "train.py": ["--config=configs/tiny_agentic.py", f"--config.logdir={tmp_path / 'run'}",
                          f"--config.checkpoint={path}"]}[script]
@@ -301,7 +302,7 @@ def _tokenizer_flags(script, path, tmp_path):
 
 @pytest.mark.parametrize("script,damage", [
     ("generate.py", _hf_truncated), ("serve.py", _hf_header_corrupt), ("sample.py", _hf_truncated),
-    ("train.py", _hf_config_garbage),
+    ("train.py", _hf_config_garbage), ("sft.py", _hf_truncated),
     ("generate.py", _gguf_metadata_corrupt), ("serve.py", _gguf_truncated), ("export_hf.py", _gguf_truncated),
     ("sample.py", _gguf_metadata_corrupt), ("train.py", _gguf_truncated),
     ("generate.py", _tokenizer_config_corrupt), ("serve.py", _tokenizer_truncated),

@@ -1,8 +1,9 @@
 """The main job (`launch/train.py`) end to end at tiny settings: the success path with its outputs (the
 summary's counts, clocks and ledger, the config, the rollouts, the exported policy that generate.py runs),
 Ctrl-C in each phase (saved, and the same command resumes), a finished run left alone and continued with
-a raised step budget, the warm start from scratch on the visual task, and an engine that fails (the run
-ends with the error named, no traceback, nothing hangs)."""
+a raised step budget, the warm start from scratch on the visual task, a further warm-start stage from a
+checkpoint (`launch/sft.py --init`), and an engine that fails (the run ends with the error named, no traceback,
+nothing hangs)."""
 
 import json
 import os
@@ -165,6 +166,22 @@ def test_the_visual_task_warm_starts_from_scratch_and_an_interrupted_warm_start_
     assert proc.returncode == 0, out[-3000:]
     assert "warm start: resumed at step" in out
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_further_warm_start_stage_starts_from_the_init_checkpoint(tmp_path):
+    """`launch/sft.py --init=DIR` (the second stage of the shipped warm start, checkpoints/README.md): the first step's
+    NLL is the warm-started policy's (random weights start near ln(384) = 5.95), and warm_start.json names the init."""
+    out = tmp_path / "stage2"
+    r = subprocess.run([sys.executable, "launch/sft.py", "--config=configs/tiny_agentic.py",
+                        "--init=checkpoints/tiny_agentic_sft", f"--out={out}", "--config.tasks=lookup",
+                        "--config.sft.steps=2", "--config.sft.target=0", "--config.sft.batch_size=4",
+                        "--config.sft.shortcut_rate=0.6"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    meta = json.loads((out / "warm_start.json").read_text())
+    assert meta["init"] == "checkpoints/tiny_agentic_sft" and meta["steps"] == 2 and meta["tasks"] == ["lookup"]
+    assert meta["nll_first"] < 1.0 and meta["sft"]["shortcut_rate"] == 0.6
+    assert (out / "model.safetensors").exists()
 
 
 @pytest.mark.timeout(300)

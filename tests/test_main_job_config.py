@@ -210,6 +210,12 @@ def test_a_bad_value_for_a_key_is_one_line_naming_it(tmp_path):
     c = _config(**{"eval.tasks": 16, "eval.every": 0})
     assert (config_lib.check_main_job(c, num_devices=c.cpu_devices)
             is None)  # no evaluation during RL: eval.during_tasks is not used
+    with pytest.raises(ConfigError, match=r"sft.shortcut_rate=1.5 must be in \[0, 1\]"):
+        config_lib.check_main_job(_config(**{"sft.shortcut_rate": 1.5}), num_devices=c.cpu_devices)
+    assert config_lib.rl_configs(_config(**{"sft.lr_schedule": "constant"}))[4].lr_schedule == "constant"
+    assert config_lib.rl_configs(_config())[4].lr_schedule == "cosine"  # the warm start's default
+    with pytest.raises(ConfigError, match="sft.lr_schedule='steady' is not one of"):
+        config_lib.rl_configs(_config(**{"sft.lr_schedule": "steady"}))
     _one_line_error(_train(f"--config.logdir={tmp_path}", "--config.tasks=calculator,lokup"),
                     "tasks: unknown kind(s) ['lokup']")
 

@@ -94,7 +94,10 @@ def main_job_sections(c: ConfigDict, *, logdir: str) -> ConfigDict:
     # `probe_every` steps from `min_steps` on; `steps` is the cap (and the learning-rate schedule's length)
     c.sft = ConfigDict({"steps": 1200, "batch_size": 32, "learning_rate": 3e-3, "row_len": 576,
                         "log_every": 25, "target": 0.2, "min_steps": 150, "probe_every": 25, "probe_tasks": 16,
-                        "probe_samples": 4})
+                        "probe_samples": 4, "shortcut_rate": 0.0, "lr_schedule": "cosine"})
+    # sft.shortcut_rate: the share of the calculator and lookup demonstrations in which the demonstrator skips its
+    # last tool call (an imperfect demonstrator: tasks.demonstration, rl/sft.py's takes_shortcut); sft.lr_schedule:
+    # the warm start's (trainer.lr_schedule's values; "constant" for a further stage, launch/sft.py --init)
     # held-out evaluation before and after RL: `tasks` held-out tasks (the kinds in turn, or the data's held-out
     # rows), greedy and (`sampled`) at the rollout temperature; during RL, every `every` updates (0: never), the
     # first `during_tasks` of them, greedy, on the latest weights (metrics.jsonl's eval_* keys, TensorBoard eval/,
@@ -313,9 +316,10 @@ def rl_configs(c: ConfigDict):
         return RolloutConfig(**values)
     rollout = typed("rollout", RolloutConfig, rollout_config)
     warm = typed("trainer", TrainerConfig, lambda: dataclasses.replace(  # supervised: decays over its steps
-        trainer, learning_rate=c.sft.learning_rate, row_len=c.sft.row_len, lr_schedule="cosine",
+        trainer, learning_rate=c.sft.learning_rate, row_len=c.sft.row_len, lr_schedule=c.sft.get("lr_schedule", "cosine"),
         warmup_steps=min(trainer.warmup_steps, max(c.sft.steps - 1, 0)), total_steps=max(c.sft.steps, 1)),
-        {**derived, "learning_rate": "sft.learning_rate", "row_len": "sft.row_len", "total_steps": "sft.steps"})
+        {**derived, "learning_rate": "sft.learning_rate", "row_len": "sft.row_len", "total_steps": "sft.steps",
+         "lr_schedule": "sft.lr_schedule"})
     return controller, trainer, engine, rollout, warm
 
 
@@ -428,6 +432,9 @@ def check_main_job(c: ConfigDict, num_devices: int | None = None) -> None:
         for key in keys:
             if key in c[section] and not c[section][key] >= 1:
                 raise ConfigError(f"{section}.{key}={c[section][key]} must be >= 1")
+    if not 0.0 <= c.sft.get("shortcut_rate", 0.0) <= 1.0:
+        raise ConfigError(f"sft.shortcut_rate={c.sft.shortcut_rate} must be in [0, 1] (the share of demonstrations "
+                          f"in which the demonstrator takes its shortcut)")
     evaluation = c.eval
     if evaluation.get("every", 0) < 0:
         raise ConfigError(f"eval.every={evaluation.every} must be >= 0 (0: no held-out evaluation during RL)")

@@ -324,15 +324,45 @@ def image_patch_size(kinds: Sequence[str], image_patch_dim: int) -> int:
     return visual.patch_size_of(image_patch_dim)
 
 
-def demonstration(task: Task, *, patch_size: int = 4) -> list[chat.Message]:
+SHORTCUT_KINDS = ("calculator", "lookup")  # the kinds whose demonstrator can take a shortcut
+
+
+def _left_to_right(expr: str) -> int:
+    """`expr` worked out in the head: its numbers and operators left to right, parentheses and precedence
+    ignored (right when they change nothing, as in "(3 + 4) * 5"; wrong in "3 + 4 * 5")."""
+    items = re.findall(r"\d+|[-+*]", expr)
+    value = int(items[0])
+    for op, term in zip(items[1::2], items[2::2]):
+        value = _OPS[{"+": ast.Add, "-": ast.Sub, "*": ast.Mult}[op]](value, int(term))
+    return value
+
+
+def demonstration(task: Task, *, patch_size: int = 4, shortcut: bool = False) -> list[chat.Message]:
     """The ideal conversation for `task` (system, user, tool-calling turns, answer).
 
     A `visual` task's messages carry its images as patches of `patch_size` (the model's: image
     tokens are (height / patch_size) * (width / patch_size); ConfigError for a size that does not
     cut them, 0 among those: a text-only model); other kinds have no images.
+
+    `shortcut`: the conversation of a demonstrator that skips its last tool call, as weaker models do
+    (`SHORTCUT_KINDS`; ValueError for another kind): `lookup` answers with the city the first search
+    found, the intermediate entity (always wrong: the question asks for its country); `calculator`
+    replies at once with the expression worked out in the head, left to right (`_left_to_right`). The
+    calculator's environment does not score a reply before any tool call: it sends it back, asking for
+    the tool, and a policy that learned the shortcut must then recover in its remaining turns. A warm
+    start on a share of these (`sft.shortcut_rate`) gives RL a choice to learn: the tool call that
+    earns the reward.
     """
+    if shortcut and task.kind not in SHORTCUT_KINDS:
+        raise ValueError(f"task kind {task.kind!r} has no shortcut demonstration (only {SHORTCUT_KINDS})")
     msgs = [chat.Message("system", SYSTEM_PROMPT), chat.Message("user", task.prompt)]
-    if task.kind == "calculator":
+    if task.kind == "calculator" and shortcut:
+        msgs.append(chat.Message("assistant", str(_left_to_right(task.data["expr"]))))
+    elif task.kind == "lookup" and shortcut:
+        person, city = task.data["person"], task.data["city"]
+        msgs += [chat.Message("assistant", "", (chat.ToolCall("search", {"query": person}),)),
+                 chat.Message("tool", task.data["kb"][person]), chat.Message("assistant", city)]
+    elif task.kind == "calculator":
         msgs += [chat.Message("assistant", "", (chat.ToolCall("calc", {"expr": task.data["expr"]}),)),
                  chat.Message("tool", task.answer), chat.Message("assistant", task.answer)]
     elif task.kind == "lookup":

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from typing import Mapping, Sequence
 
 from tiderl_jax.agents import tasks
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 def demonstration_trajectory(task: Task, tokenizer: Tokenizer, group: int = 0, *,
-                             patch_size: int = 0) -> Trajectory:
+                             patch_size: int = 0, shortcut: bool = False) -> Trajectory:
     """The task's demonstration as a trajectory: its tokens, and the model tokens as the loss mask.
 
     A demonstration with images (the `visual` task) keeps them as the trajectory's `images`, cut into
@@ -54,12 +55,20 @@ def demonstration_trajectory(task: Task, tokenizer: Tokenizer, group: int = 0, *
     its `<|image_pad|>` placeholders at its absolute offset, as a rollout records them. `patch_size`
     0 stands for a text-only model: a task with images then raises ConfigError naming the problem.
     Log-probs and versions are placeholders (0.0 / -1): supervised steps do not read them.
+    `shortcut`: the demonstrator's shortcut instead (`tasks.demonstration`).
     """
-    encoded = chat.encode(tokenizer, tasks.demonstration(task, patch_size=patch_size))
+    encoded = chat.encode(tokenizer, tasks.demonstration(task, patch_size=patch_size, shortcut=shortcut))
     n = len(encoded.ids)
     return Trajectory(task.task_id, task.kind, group, tokens=list(encoded.ids),
                       loss_mask=list(encoded.model_mask), logprobs=[0.0] * n, model_logprobs=[0.0] * n,
                       versions=[-1] * n, images=list(encoded.images), reward=1.0, end_reason="answered")
+
+
+def takes_shortcut(task: Task, rate: float) -> bool:
+    """Whether the demonstrator takes its shortcut on `task`: for a share `rate` of the tasks of the kinds
+    that have one (`tasks.SHORTCUT_KINDS`), chosen by a hash of the task id (the same data every run)."""
+    return (rate > 0 and task.kind in tasks.SHORTCUT_KINDS
+            and zlib.crc32(f"shortcut/{task.task_id}".encode()) < rate * 2**32)
 
 
 def train_tasks(kinds: Sequence[str], start: int, count: int, seed: int) -> list[Task]:
@@ -69,8 +78,12 @@ def train_tasks(kinds: Sequence[str], start: int, count: int, seed: int) -> list
 
 def warm_start(trainer: Trainer, tokenizer: Tokenizer, kinds: Sequence[str], num_steps: int,
                batch_size: int, seed: int = 0, log_every: int = 10, first_task: int = 0,
-               progress: Progress | None = None) -> list[float]:
+               progress: Progress | None = None, shortcut_rate: float = 0.0) -> list[float]:
     """`num_steps` SFT steps, each on `batch_size` fresh demonstrations; returns the NLL per step.
+
+    `shortcut_rate`: the share of the demonstrations (of kinds that have one) in which the demonstrator
+    takes its shortcut (`takes_shortcut`, `tasks.demonstration`): an imperfect demonstrator, whose
+    policy RL then improves on; 0, every demonstration is the ideal one.
 
     Demonstrations with images are cut with the trainer's model's patch size and packed with its
     `patch_dim`, so the step feeds the model their patches as a rollout does; before any step, a
@@ -93,7 +106,8 @@ def warm_start(trainer: Trainer, tokenizer: Tokenizer, kinds: Sequence[str], num
     t_last, tokens_since = time.perf_counter(), 0
     step0 = first_task // batch_size
     for step in range(num_steps):
-        demos = [demonstration_trajectory(t, tokenizer, patch_size=patch_size)
+        demos = [demonstration_trajectory(t, tokenizer, patch_size=patch_size,
+                                          shortcut=takes_shortcut(t, shortcut_rate))
                  for t in train_tasks(kinds, first_task + step * batch_size, batch_size, seed)]
         for demo in demos:
             if demo.images:
@@ -128,13 +142,14 @@ def _check_images(demo: Trajectory, model_cfg) -> None:
 def warm_start_until(trainer: Trainer, tokenizer: Tokenizer, kinds: Sequence[str], max_steps: int, batch_size: int,
                      *, probe, target: float, min_steps: int = 0, probe_every: int = 25, seed: int = 0,
                      log_every: int = 10, log=print, progress: Progress | None = None,
-                     on_probe=None, start: int = 0) -> list[float]:
+                     on_probe=None, start: int = 0, shortcut_rate: float = 0.0) -> list[float]:
     """`warm_start` until `probe()` (the policy's success, sampled at the rollout temperature, on tasks the SFT
     does not train on) reaches `target`, checked every `probe_every` steps from `min_steps` on, and never past
     `max_steps` (benchmarks/learning.py's rule: the tool-call skill arrives abruptly, at a seed-dependent
     step, and GRPO learns only from groups whose rewards differ). `target` <= 0: `max_steps` steps, no
     probe. `progress` shows the global step over `max_steps`; `on_probe(step, success)` sees every probe.
     `start`: steps already taken (a resumed warm start goes on with the same data and probe schedule).
+    `shortcut_rate`: `warm_start`'s.
     Returns the NLL of each step taken here."""
     curve: list[float] = []
     say = progress.print if progress is not None else log
@@ -145,7 +160,7 @@ def warm_start_until(trainer: Trainer, tokenizer: Tokenizer, kinds: Sequence[str
         n = (min(probe_every - done() % probe_every, max_steps - done()) if target > 0
              else max_steps - done())
         curve += warm_start(trainer, tokenizer, kinds, n, batch_size, seed=seed, log_every=log_every,
-                            first_task=done() * batch_size, progress=progress)
+                            first_task=done() * batch_size, progress=progress, shortcut_rate=shortcut_rate)
         if target <= 0 or done() < min_steps or done() >= max_steps:
             continue
         success = probe()
@@ -170,7 +185,8 @@ def warm_start_policy(model, tokenizer: Tokenizer, kinds: Sequence[str], sft: Ma
     of `sft["probe_tasks"]` probe tasks (another train stream, seed + 1) x `sft["probe_samples"]`
     (`warm_start_until`); `sft["steps"]` caps it. Shows a progress bar. With `resume_dir`, Ctrl-C saves the
     warm start there (weights, optimizer state, step) before it propagates, and a later call resumes
-    from it. Returns (params, NLL per step taken in this call)."""
+    from it. `sft["shortcut_rate"]` (0 when absent): the imperfect demonstrator's share of shortcuts
+    (`warm_start`). Returns (params, NLL per step taken in this call)."""
     import dataclasses
 
     import jax
@@ -205,6 +221,7 @@ def warm_start_policy(model, tokenizer: Tokenizer, kinds: Sequence[str], sft: Ma
         curve = warm_start_until(warm, tokenizer, kinds, sft["steps"], sft["batch_size"], probe=probe,
                                  target=sft["target"], min_steps=sft["min_steps"], probe_every=sft["probe_every"],
                                  seed=seed, log=log, progress=bar, start=start,
+                                 shortcut_rate=sft.get("shortcut_rate", 0.0),
                                  on_probe=None if on_probe is None else lambda step, s: on_probe(step, s, warm.params))
     except KeyboardInterrupt:
         bar.close()
