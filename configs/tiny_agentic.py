@@ -62,7 +62,7 @@ def get_config():
     # "scratch" runs the supervised warm start first, from random weights (launch/sft.py's rule)
     c.warm_start = "checkpoint"
     c.checkpoint = "checkpoints/tiny_agentic_sft"
-    c.eval.update(tasks=128, every=4, during_tasks=32)
+    c.eval.update(tasks=128, every=8, during_tasks=32)  # every 8 updates: 5 points of the curve during RL
     c.cpu_devices = 4
     c.controller.update(mode="tiderl", steps=40, groups_per_step=8, group_size=8, eta=1, max_concurrent=128,
                         device_group_size=1, rollout_groups=2, ref_groups=0, train_groups=2, tensor=1,
