@@ -333,7 +333,7 @@ def _left_to_right(expr: str) -> int:
     items = re.findall(r"\d+|[-+*]", expr)
     value = int(items[0])
     for op, term in zip(items[1::2], items[2::2]):
-        value = _OPS[{"+": ast.Add, "-": ast.Sub, "*": ast.Mult}[op]](value, int(term))
+        value = {"+": operator.add, "-": operator.sub, "*": operator.mul}[op](value, int(term))
     return value
 
 
