@@ -81,7 +81,7 @@ def get_config():
                         ers_patience=2, ers_cooldown=3, checkpoint_every=5, filter_groups=True)
     c.engine.update(page_size=16, num_pages=2048, max_seq_len=1024, max_running=64, prefill_chunk=512,
                     prefill_budget=2048, max_prefill_rows=4, decode_steps=8, bucket_growth=4, ragged_prefill=False)
-    c.rollout.update(max_turns=4, max_new_tokens=96, max_context=1024, temperature=1.0)
+    c.rollout.update(max_turns=4, max_new_tokens=96, max_context=1024, temperature=0.7)
     c.trainer.update(learning_rate=1e-5, lr_schedule="constant", warmup_steps=0, row_len=1024, micro_rows=8, grad_clip=1.0, weight_decay=0.0)
     c.loss.update(advantage_estimator="grpo", kl_coef=0.0, clip_low=0.2, clip_high=0.28)
     return c

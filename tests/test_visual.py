@@ -217,11 +217,15 @@ def test_packed_logprobs_with_images_equal_each_sequence_alone():
                       TrainerConfig(row_len=1024, micro_rows=1, temperature=0.7))
     scored = trainer.score(p)
     for j, i in enumerate(p.kept):
-        tokens = trajs[i].tokens
-        patches, index = dense_inputs(trajs[i].images, 0, len(tokens), CFG.image_patch_dim)
-        want = np.asarray(token_logprobs(MODEL, jnp.asarray([tokens]), jnp.arange(len(tokens))[None],
-                                         jnp.ones((1, len(tokens)), jnp.int32), 0.7,
-                                         jnp.asarray(patches[None]), jnp.asarray(index[None]))[0][0])
+        # each sequence alone in a row of its own, padding after it (segment 0, no patches): causal attention
+        # keeps its log-probs the padding's, and a row as wide as the packed ones reuses their compiled ops
+        tokens, n = trajs[i].tokens, len(trajs[i].tokens)
+        patches, index = np.zeros((1024, CFG.image_patch_dim), np.float32), np.full(1024, -1, np.int32)
+        patches[:n], index[:n] = dense_inputs(trajs[i].images, 0, n, CFG.image_patch_dim)
+        want = np.asarray(token_logprobs(
+            MODEL, jnp.asarray([tokens + [0] * (1024 - n)]), jnp.arange(1024)[None],
+            jnp.asarray([[1] * n + [0] * (1024 - n)], jnp.int32), 0.7, jnp.asarray(patches[None]),
+            jnp.asarray(index[None]))[0][0])[:n]
         m, r, s, n = p.placements[j]  # a segment's first log-prob reads across its start: never trained
         np.testing.assert_allclose(logp[m, r, s + 1:s + n], want[1:], atol=1e-5)
         np.testing.assert_allclose(scored[m, r, s + 1:s + n], want[1:], atol=1e-5)
