@@ -30,13 +30,22 @@ have the largest gradients); in a sync GRPO loop from the same checkpoint at 3e-
 update (to 20 in 10 updates) and with a KL term of 0.1 (to 9 in 20). At 1e-5 the gain builds over the 40
 updates instead. (These measurements started from stage 1 of the shipped warm start, below.)
 
-What RL has to learn: the shipped warm start (checkpoints/README.md) ends with 150 steps on an imperfect
+What RL has to learn: the shipped warm start (checkpoints/README.md) ends with 450 steps on an imperfect
 demonstrator that skips its last tool call in 60% of its demonstrations (lookup answers the city after one
 search; calculator replies without the tool). Greedy decoding follows that majority, so RL's task is a choice, the
 tool call that earns the reward, which its sparse reward can teach. From stage 1 alone (the ideal demonstrator)
 the greedy gain was +0.125, +0.102 and +0.094 on seeds 0, 1, 2 and the sampled gain nothing: the failures left
-were copy errors of the byte-level model, which no rate above improved. Seed 0 from the shipped policy: greedy
-55 -> 77 of 128 (+0.172 [+0.109, +0.242]; lookup 7 -> 24, calculator 48 -> 53), sampled 6 -> 25.
+were copy errors of the byte-level model, which no rate above improved. With a stage 2 of 150 steps it was
++0.172, +0.195 and +0.180 (rollouts at temperature 1), lookup stopping at 24-27 of 64 after RL, about stage 1's
+copying; the 300 further steps copy better. Seed 0 from the shipped policy: greedy 57 -> 88 of 128 (+0.242
+[+0.164, +0.320]; lookup 21 -> 33, calculator 36 -> 55), sampled 32 -> 63.
+
+Rollouts sample at temperature 0.7. From the 150-step stage 2, seed 0: at 1.0 the greedy gain was +0.172, the
+mean reward of all samples drawn rose by +0.041 from the first quarter of the updates to the last, and half the
+groups were dropped as all-equal (50-59% on seeds 0-2, medians per update); at 0.7, +0.172, +0.119 and 37%. At
+temperature 1 the byte-level model mis-copies more of its samples: noise that teaches nothing and leaves groups
+all-zero, which dynamic sampling then samples again. The held-out evaluation's sampled mode samples at this
+temperature.
 
 The held-out evaluation during RL runs every 8 updates: each stalls its update by 4-6 s (seed 0's median step was
 8.6 s with one every 4 updates, 7.2 s over the steps without one).

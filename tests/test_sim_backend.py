@@ -241,7 +241,7 @@ def test_war_speculation_follows_the_rule_and_speeds_up_small_batches(tmp_path):
 
 
 def test_measured_speculation_is_rl_sampled_acceptance_and_names_its_run():
-    # the simulated rollouts are RL's, which sample at temperature 1 (every configs/ main job): the acceptance the
+    # the simulated rollouts are RL's, sampled at temperature 1 (`rollout.temperature`'s default): the acceptance the
     # simulator reads is the sampled one (benchmarks/speculative.py decodes greedily by default), and the file names
     # the command that wrote it and its date
     import shlex

@@ -81,12 +81,17 @@ def test_packed_logprobs_equal_each_sequence_alone():
         logp, _ = token_logprobs(model, jnp.asarray(a["tokens"][m]), jnp.asarray(a["positions"][m]),
                                  jnp.asarray(a["segment_ids"][m]), 0.7)
         a.setdefault("logp", np.zeros_like(a["mask"]))[m] = np.asarray(logp)
+    # the reference: each sequence in a row of its own, from position 0, padding after it (causal attention keeps
+    # its log-probs the padding's); one forward for all of them
+    toks = np.zeros((len(TRAJS), 32), np.int32)
+    for i, t in enumerate(TRAJS):
+        toks[i, :len(t.tokens)] = t.tokens
+    logits, _ = model(jnp.asarray(toks), jnp.broadcast_to(jnp.arange(32), toks.shape))
+    ref = np.asarray(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1] / 0.7, axis=-1),
+                                         jnp.asarray(toks[:, 1:, None]), axis=-1)[..., 0])
     for j, i in enumerate(p.kept):
-        toks = jnp.asarray([TRAJS[i].tokens])
-        logits, _ = model(toks, jnp.arange(toks.shape[1])[None])
-        ref = jax.nn.log_softmax(logits[0, :-1] / 0.7, axis=-1)[jnp.arange(toks.shape[1] - 1), toks[0, 1:]]
-        got = p.per_token("logp", j)
-        np.testing.assert_allclose(got[1:], np.asarray(ref), atol=1e-5)
+        n = len(TRAJS[i].tokens)
+        np.testing.assert_allclose(p.per_token("logp", j)[1:], ref[i, :n - 1], atol=1e-5)
 
 
 def test_group_advantages_ragged_groups():
