@@ -133,7 +133,8 @@ def test_models_tokenize_health_metrics(server, client):
 
 
 def test_chat_with_tools_calls_reads_the_result_and_answers_in_one_session(server, client):
-    task, messages = calculator_messages()
+    # a task the shipped policy solves greedy (held-out calculator 3: it copies the expression and the result)
+    task, messages = calculator_messages(3)
     resumed = server.service.counters["resumed"]
     headers = {"X-Session-ID": "calc-0"}
     first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=128,
@@ -163,7 +164,7 @@ def test_chat_with_tools_calls_reads_the_result_and_answers_in_one_session(serve
 
 
 def test_streaming_gives_the_same_text_and_a_final_usage_chunk(server, client):
-    _, messages = calculator_messages(1)
+    _, messages = calculator_messages(8)  # the shipped policy's greedy reply: a tool call, cut at 40 tokens
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40)
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40,
                                                  stream=True, stream_options={"include_usage": True}))
