@@ -120,12 +120,13 @@ def test_crashing_and_hanging_agents_fail_their_samples_and_release_their_kv():
 def test_an_agent_s_own_reward_is_the_sample_s():
     trajs, *_ = _episodes(ExternalAgents("openai_agent:rewarding", timeout_s=60),
                           [T.make_task("calculator", 0, "heldout")])
-    assert trajs[0].end_reason == "answered" and trajs[0].reward == 0.25 and trajs[0].num_generated == 4
+    # one request of at most 4 tokens (fewer when the policy's reply ends sooner)
+    assert trajs[0].end_reason == "answered" and trajs[0].reward == 0.25 and 1 <= trajs[0].num_generated <= 4
 
 
 def test_an_agent_command_gets_the_endpoint_in_its_environment(tmp_path, monkeypatch):
-    # greedy: the shipped policy calls the tool on these tasks (sampled, it answers at once in about half of the
-    # calculator tasks: the warm start's demonstrator took that shortcut, checkpoints/README.md)
+    # greedy: the shipped policy calls the tool on task 0 (on task 1, and sampled on many others, it answers at once:
+    # the warm start's demonstrator took that shortcut, checkpoints/README.md)
     monkeypatch.setenv("AGENT_TEMPERATURE", "0")
     tasks = [T.make_task("calculator", i, "heldout") for i in range(2)]
     agents = ExternalAgents(command=f"{sys.executable} {ROOT / 'tests' / 'openai_agent.py'}", timeout_s=120)
