@@ -48,8 +48,9 @@ class SimConfig:
     # WAR speculative decoding (policies.war.use_speculation per event; roofline costs only): a
     # model-free drafter proposes `spec_draft_tokens`, one verify step scores them all, and emits
     # `spec_accepted_tokens` per sequence on average (accepted drafts + 1). Both measured: the engine's
-    # own drafter on agentic rollouts sampled at temperature 1, `rollout.temperature`'s default (`benchmarks/speculative.py
-    # --temperature 1 --record` writes measured_speculation.json, with its command, date and temperature);
+    # own drafter on agentic rollouts sampled at temperature 1, `rollout.temperature`'s default
+    # (`benchmarks/speculative.py --temperature 1 --record` writes measured_speculation.json, with its command,
+    # date and temperature);
     # WAR's record gives the rule and the batch bound (war.SPEC_MAX_BATCH), not the acceptance.
     war_speculation: bool = False
     spec_draft_tokens: int = MEASURED_SPECULATION["draft_tokens"]
